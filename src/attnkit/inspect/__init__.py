@@ -1,0 +1,1 @@
+"""Seeing inside attention: walkthroughs, tracing and pictures."""
