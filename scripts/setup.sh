@@ -10,7 +10,9 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 export PIP_CONSTRAINT="$PWD/constraints.txt"  # also reaches pip's build environments
 pip_install() {
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@"
+  # (drops pip's warnings about extra index folders that a machine lacks)
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 
 pip_install torch==2.13.0
