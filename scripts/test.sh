@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
 bash scripts/browser.sh
 .venv/bin/ruff check src tests
+.venv/bin/mypy
 .venv/bin/python -m pytest "$@"

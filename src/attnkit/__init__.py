@@ -1,6 +1,18 @@
 """attnkit: attention for transformer language models.
 
+- :func:`attention`: one attention function, several kernels ("math", "sdpa",
+  "chunked", "auto"), one mask convention (True = may attend), bottom-right
+  causal alignment, zeros (not NaN) for queries with no visible key.
+- :class:`MultiHeadAttention`: fused QKV, grouped-query heads, cross-attention,
+  padding masks, rotary embeddings, sliding windows and a :class:`KVCache`.
+- :func:`from_torch`, :func:`from_textbook`: converters.
 - :mod:`attnkit.textbook`: the chapter "Coding attention mechanisms" as code.
 """
 
+from .backends import attention
+from .functional import RotaryEmbedding
+from .modules import KVCache, MultiHeadAttention, from_textbook, from_torch
+
 __version__ = "0.1.0"
+
+__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "attention", "from_textbook", "from_torch"]

@@ -1,0 +1,153 @@
+"""One attention call, validated once: what every backend receives.
+
+Legend: B batch, H query heads, G key/value heads (H % G == 0), T queries,
+S keys, D head dim (queries and keys), Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit.functional import combine_masks, visible_band
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """Validated inputs of :func:`attnkit.attention`.
+
+    ``mask`` is 4-d and broadcastable to (B, H, T, S): bool with True = may
+    attend, or float (in q's dtype) added to the scores. ``causal`` and
+    ``window`` describe the bottom-right aligned band, kept symbolic so that
+    kernels can skip blocks instead of reading a (T, S) mask.
+    """
+
+    q: Tensor  # (B, H, T, D)
+    k: Tensor  # (B, G, S, D)
+    v: Tensor  # (B, G, S, Dv)
+    mask: Tensor | None
+    causal: bool
+    window: int | None
+    scale: float
+    dropout_p: float
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_queries(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def num_keys(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def offset(self) -> int:
+        """S - T: query i is aligned with key i + offset."""
+        return self.num_keys - self.num_queries
+
+    def band(self) -> Tensor | None:
+        """The causal / window mask (T, S), True = may attend; None if unrestricted."""
+        return visible_band(range(self.num_queries), range(self.num_keys), offset=self.offset,
+                            causal=self.causal, window=self.window, device=self.q.device)
+
+    def dense_mask(self) -> Tensor | None:
+        """The explicit mask and the band as one mask broadcastable to (B, H, T, S)."""
+        return combine_masks(self.mask, self.band())
+
+    def may_have_empty_rows(self) -> bool:
+        """Whether some query might see no key (then its output must be 0)."""
+        return self.mask is not None or (self.causal and self.num_queries > self.num_keys)
+
+
+def _check_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-d, got shape {tuple(t.shape)}; expected q (B, H, T, D), "
+                         "k (B, G, S, D), v (B, G, S, Dv)")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
+    return t
+
+
+def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    return q, k, v
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    (b, h, t, d), (bk, g, s, dk), (bv, gv, sv, _) = q.shape, k.shape, v.shape
+    if not b == bk == bv:
+        raise ValueError(f"batch sizes differ: q has B={b}, k has {bk}, v has {bv}")
+    if (g, s) != (gv, sv):
+        raise ValueError(f"k (B, G={g}, S={s}, D) and v (B, G={gv}, S={sv}, Dv) must agree on G and S")
+    if d != dk:
+        raise ValueError(f"q has head dim D={d} but k has {dk}; they must match")
+    if g == 0 or h % g:
+        raise ValueError(f"q has H={h} heads, k and v have G={g}: H must be a multiple of G")
+    if t == 0 or s == 0:
+        raise ValueError(f"attention needs at least one query and one key, got T={t}, S={s}")
+
+
+def check_mask(mask: object, q: Tensor, num_keys: int) -> Tensor | None:
+    """A valid mask for q (B, H, T, D) and S keys, made 4-d (float masks in q's dtype); else raise."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = may attend) or float (added to the scores), got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    b, h, t, _ = q.shape
+    full = (b, h, t, num_keys)
+    try:
+        broadcast_ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, full) == full
+    except RuntimeError:
+        broadcast_ok = False
+    if not broadcast_ok:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, T, S) = {full}")
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # -> 4-d
+    return mask if mask.dtype == torch.bool else mask.to(q.dtype)
+
+
+def _check_options(causal: object, window: object, scale: object, dropout_p: object) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int (keys each query sees), got window={window!r}")
+        if not causal:
+            raise ValueError(f"window={window} needs causal=True: each query sees its window most recent keys")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number or None, got scale={scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p={dropout_p!r} is outside [0, 1)")
+
+
+def make_call(q: object, k: object, v: object, *, mask: object = None, causal: object = False,
+              window: object = None, scale: object = None, dropout_p: object = 0.0) -> AttentionCall:
+    """Validate the arguments of :func:`attnkit.attention`; errors name the offending value."""
+    q, k, v = _check_qkv(q, k, v)
+    _check_shapes(q, k, v)
+    _check_options(causal, window, scale, dropout_p)
+    checked_mask = check_mask(mask, q, k.shape[2])
+    return AttentionCall(
+        q, k, v, checked_mask, bool(causal), window,  # type: ignore[arg-type]
+        q.shape[-1] ** -0.5 if scale is None else float(scale),  # type: ignore[arg-type]
+        float(dropout_p),  # type: ignore[arg-type]
+    )

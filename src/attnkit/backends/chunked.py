@@ -1,0 +1,212 @@
+"""Memory-efficient attention in pure PyTorch: online softmax over key blocks.
+
+For each block of queries, the keys are visited one block at a time while a
+running maximum ``m``, a running sum ``l`` and an unnormalised output ``acc``
+are kept (the flash-attention recurrence). Only (B, H, Tb, Sb) scores exist at
+once; the (T, S) matrix never does. Blocks that the causal band or the window
+hides are skipped, and fully visible blocks skip the mask.
+
+The backward pass (a custom autograd Function) saves only q, k, v, the output
+and one log-sum-exp per query, and recomputes each block's probabilities.
+
+Grouped-query heads are handled without copying keys or values: the R = H // G
+query heads that share a key/value head are stacked along the query axis.
+
+Legend: B batch, H query heads, G key/value heads, R = H // G, T queries,
+S keys, D head dim, Dv value head dim, Tb / Sb block sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit.functional import block_visibility, visible_band
+
+from .call import AttentionCall
+from .registry import Backend, register
+
+_SCORE_BUDGET = 1 << 21  # elements of one block of scores (8 MiB in float32)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Static facts of one call, shared by the forward and backward loops."""
+
+    causal: bool
+    window: int | None
+    scale: float
+    offset: int  # S - T
+    block_q: int
+    block_k: int
+    compute: torch.dtype
+
+    def blocks(self, length: int, size: int) -> list[range]:
+        return [range(i, min(i + size, length)) for i in range(0, length, size)]
+
+
+def _block_sizes(b: int, h: int, t: int, s: int) -> tuple[int, int]:
+    block_k = min(s, 512)
+    block_q = max(16, _SCORE_BUDGET // max(1, b * h * block_k))
+    return min(t, 1 << (block_q.bit_length() - 1)), block_k  # a power of two, at most T
+
+
+def _mask5(mask: Tensor | None, g: int) -> Tensor | None:
+    """(B?, H?, T?, S?) -> (B?, G?, R?, T?, S?) to match grouped scores."""
+    if mask is None:
+        return None
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)  # (B?, 1, T?, S?) -> (B?, 1, 1, T?, S?)
+    return mask.unflatten(1, (g, mask.shape[1] // g))  # (B?, H, T?, S?) -> (B?, G, R, T?, S?)
+
+
+def _slice(mask: Tensor, rows: range, cols: range) -> Tensor:
+    r = slice(rows.start, rows.stop) if mask.shape[-2] > 1 else slice(None)
+    c = slice(cols.start, cols.stop) if mask.shape[-1] > 1 else slice(None)
+    return mask[..., r, c]
+
+
+def _scores(plan: _Plan, qb: Tensor, kb: Tensor, mask5: Tensor | None, rows: range, cols: range,
+            visibility: str) -> Tensor:
+    """Masked, scaled scores of one block: (B, G, R*Tb, Sb)."""
+    b, g, rt, _ = qb.shape
+    s = torch.matmul(qb, kb.transpose(-2, -1)).mul_(plan.scale)  # (B, G, R*Tb, D) @ (B, G, D, Sb)
+    if visibility == "all" and mask5 is None:
+        return s
+    s5 = s.view(b, g, rt // len(rows), len(rows), len(cols))  # (B, G, R*Tb, Sb) -> (B, G, R, Tb, Sb)
+    if visibility == "some":
+        band = visible_band(rows, cols, offset=plan.offset, causal=plan.causal, window=plan.window,
+                            device=s.device)
+        if band is not None:
+            s5.masked_fill_(~band, -torch.inf)
+    if mask5 is not None:
+        mb = _slice(mask5, rows, cols)
+        if mb.dtype == torch.bool:
+            s5.masked_fill_(~mb, -torch.inf)
+        else:
+            s5.add_(mb.to(s5.dtype))
+    return s
+
+
+def _visible_blocks(plan: _Plan, rows: range, num_keys: int) -> list[tuple[range, str]]:
+    out = []
+    for cols in plan.blocks(num_keys, plan.block_k):
+        visibility = block_visibility(rows, cols, offset=plan.offset, causal=plan.causal, window=plan.window)
+        if visibility != "none":
+            out.append((cols, visibility))
+    return out
+
+
+def _group(x: Tensor, g: int, rows: range, compute: torch.dtype) -> Tensor:
+    """Rows of (B, H, T, E) for one query block, grouped: (B, G, R*Tb, E)."""
+    b, h, _, e = x.shape
+    block = x[:, :, rows.start:rows.stop].to(compute)  # (B, H, Tb, E)
+    return block.reshape(b, g, (h // g) * len(rows), e)  # (B, G, R, Tb, E) -> (B, G, R*Tb, E)
+
+
+def _ungroup(x: Tensor, h: int, rows: range) -> Tensor:
+    b, _, _, e = x.shape
+    return x.reshape(b, h, len(rows), e)  # (B, G, R*Tb, E) -> (B, H, Tb, E)
+
+
+def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype)."""
+    b, h, t, _ = q.shape
+    g, s_len = k.shape[1], k.shape[2]
+    kc, vc, mask5 = k.to(plan.compute), v.to(plan.compute), _mask5(mask, g)
+    out = q.new_empty(b, h, t, v.shape[-1])
+    lse = torch.empty(b, h, t, dtype=plan.compute, device=q.device)
+    for rows in plan.blocks(t, plan.block_q):
+        qb = _group(q, g, rows, plan.compute)  # (B, G, R*Tb, D)
+        m = torch.full(qb.shape[:-1], -torch.inf, dtype=plan.compute, device=q.device)  # running max
+        l_sum = torch.zeros_like(m)  # running sum of exp(score - m)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=plan.compute, device=q.device)
+        for cols, visibility in _visible_blocks(plan, rows, s_len):
+            p = _scores(plan, qb, kc[:, :, cols.start:cols.stop], mask5, rows, cols, visibility)
+            m_new = torch.maximum(m, p.amax(dim=-1))
+            m_safe = m_new.masked_fill(m_new == -torch.inf, 0.0)  # rows that have seen nothing yet
+            p.sub_(m_safe.unsqueeze(-1)).exp_()  # scores -> exp(score - m_new), in place
+            alpha = torch.exp(m - m_safe)  # rescales what was summed under the old maximum
+            l_sum = l_sum.mul_(alpha).add_(p.sum(dim=-1))
+            acc = acc.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(p, vc[:, :, cols.start:cols.stop]))
+            m = m_new
+        empty = l_sum == 0  # no visible key: output 0, and lse = +inf makes backward weights 0
+        acc.div_(l_sum.masked_fill(empty, 1.0).unsqueeze(-1))
+        out[:, :, rows.start:rows.stop] = _ungroup(acc, h, rows).to(q.dtype)
+        block_lse = torch.where(empty, torch.inf, m.masked_fill(empty, 0.0) + l_sum.log())
+        lse[:, :, rows.start:rows.stop] = block_lse.reshape(b, h, len(rows))
+    return out, lse
+
+
+def _backward(plan: _Plan, saved: tuple[Tensor, ...], mask: Tensor | None, dout: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v, out, lse = saved
+    b, h, t, _ = q.shape
+    g, s_len = k.shape[1], k.shape[2]
+    kc, vc, mask5 = k.to(plan.compute), v.to(plan.compute), _mask5(mask, g)
+    delta = (dout.to(plan.compute) * out.to(plan.compute)).sum(dim=-1)  # (B, H, T): rowsum(dO * O)
+    dq = torch.empty(q.shape, dtype=plan.compute, device=q.device)
+    dk, dv = torch.zeros_like(kc), torch.zeros_like(vc)
+    for rows in plan.blocks(t, plan.block_q):
+        qb, dob = _group(q, g, rows, plan.compute), _group(dout, g, rows, plan.compute)
+        lse_b = lse[:, :, rows.start:rows.stop].reshape(b, g, -1, 1)  # (B, G, R*Tb, 1)
+        delta_b = delta[:, :, rows.start:rows.stop].reshape(b, g, -1, 1)
+        dqb = torch.zeros_like(qb)
+        for cols, visibility in _visible_blocks(plan, rows, s_len):
+            kb, vb = kc[:, :, cols.start:cols.stop], vc[:, :, cols.start:cols.stop]
+            p = _scores(plan, qb, kb, mask5, rows, cols, visibility).sub_(lse_b).exp_()  # weights
+            dv[:, :, cols.start:cols.stop] += torch.matmul(p.transpose(-2, -1), dob)  # (B, G, Sb, Dv)
+            ds = torch.matmul(dob, vb.transpose(-2, -1)).sub_(delta_b).mul_(p)  # dscore, (B, G, R*Tb, Sb)
+            dqb.add_(torch.matmul(ds, kb), alpha=plan.scale)
+            dk[:, :, cols.start:cols.stop] += torch.matmul(ds.transpose(-2, -1), qb).mul_(plan.scale)
+        dq[:, :, rows.start:rows.stop] = _ungroup(dqb, h, rows)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _ChunkedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, plan: _Plan) -> Tensor:
+        out, lse = _forward(plan, q, k, v, mask)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
+        *saved, mask = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.plan, tuple(saved), mask, dout.contiguous())
+        return dq, dk, dv, None, None
+
+
+def _plan(call: AttentionCall) -> _Plan:
+    b, h, t, _ = call.q.shape
+    block_q, block_k = _block_sizes(b, h, t, call.num_keys)
+    compute = torch.float32 if call.q.dtype in (torch.float16, torch.bfloat16) else call.q.dtype
+    return _Plan(call.causal, call.window, call.scale, call.offset, block_q, block_k, compute)
+
+
+def chunked_attention(call: AttentionCall) -> Tensor:
+    plan = _plan(call)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (call.q, call.k, call.v))
+    if not needs_grad:
+        return _forward(plan, call.q, call.k, call.v, call.mask)[0]
+    return _ChunkedFunction.apply(call.q, call.k, call.v, call.mask, plan)
+
+
+def _why_not(call: AttentionCall) -> str | None:
+    if call.dropout_p > 0:
+        return f"it has no dropout (dropout_p={call.dropout_p}); use 'sdpa' or 'math'"
+    if call.mask is not None and call.mask.requires_grad:
+        return "it does not differentiate through a float mask; use 'sdpa' or 'math'"
+    return None
+
+
+CHUNKED = register(Backend(
+    name="chunked",
+    run=chunked_attention,
+    why_not=_why_not,
+    description="pure PyTorch online softmax over key blocks; O(T) memory; recomputing backward",
+))

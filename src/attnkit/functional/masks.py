@@ -1,0 +1,86 @@
+"""Masks for attention, in attnkit's one convention: True = may attend.
+
+A bool mask is True where a query may attend to a key. A float mask is added
+to the scores: 0 keeps a key, -inf blocks it. Both broadcast to (B, H, T, S).
+
+Causal masks are aligned bottom-right: with T queries that are the last T of
+S keys (as in cached decoding), query i sees keys 0 .. S - T + i. A sliding
+window of W lets query i see only its W most recent keys, itself included:
+keys S - T + i - W + 1 .. S - T + i.
+
+Legend: B batch, H query heads, T queries, S keys.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _band(rows: range, cols: range, offset: int, causal: bool, window: int | None,
+          device: torch.device | None) -> Tensor:
+    i = torch.arange(rows.start, rows.stop, device=device).unsqueeze(1) + offset  # (Tb, 1)
+    j = torch.arange(cols.start, cols.stop, device=device).unsqueeze(0)  # (1, Sb)
+    visible = j <= i if causal else torch.ones(len(rows), len(cols), dtype=torch.bool, device=device)
+    if window is not None:
+        visible = visible & (j > i - window)  # (Tb, Sb)
+    return visible
+
+
+def visible_band(
+    rows: range, cols: range, *, offset: int, causal: bool, window: int | None, device: torch.device | None = None
+) -> Tensor | None:
+    """The causal / sliding-window mask for query rows ``rows`` and key columns ``cols``.
+
+    ``offset`` is S - T: query i is aligned with key i + offset. Returns a bool
+    (len(rows), len(cols)) tensor, True = may attend, or None when neither
+    causal nor window restricts anything.
+    """
+    if not causal and window is None:
+        return None
+    return _band(rows, cols, offset, causal, window, device)
+
+
+def causal_mask(
+    num_queries: int, num_keys: int, *, window: int | None = None, device: torch.device | None = None
+) -> Tensor:
+    """Bottom-right aligned causal mask of shape (T, S), True = may attend."""
+    return _band(range(num_queries), range(num_keys), num_keys - num_queries, True, window, device)
+
+
+def block_visibility(rows: range, cols: range, *, offset: int, causal: bool, window: int | None) -> str:
+    """Whether a (rows x cols) block of the causal/window band is "none", "all" or "some" visible.
+
+    Lets blocked kernels skip hidden blocks and drop the mask on full ones.
+    """
+    first_i, last_i = rows.start + offset, rows.stop - 1 + offset
+    first_j, last_j = cols.start, cols.stop - 1
+    if causal and first_j > last_i:
+        return "none"
+    if window is not None and last_j <= first_i - window:
+        return "none"
+    if (not causal or last_j <= first_i) and (window is None or first_j > last_i - window):
+        return "all"
+    return "some"
+
+
+def key_padding_to_mask(key_mask: Tensor) -> Tensor:
+    """A (B, S) key mask, True = real token, as a mask broadcastable to (B, H, T, S)."""
+    return key_mask[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+
+
+def combine_masks(first: Tensor | None, second: Tensor | None) -> Tensor | None:
+    """Both masks at once: a key is visible only if both allow it.
+
+    Bool & bool stays bool; with a float (additive) mask, a key blocked by the
+    bool mask gets -inf. The result broadcasts to the shapes of both.
+    """
+    if first is None or second is None:
+        return first if second is None else second
+    if first.dtype == torch.bool and second.dtype == torch.bool:
+        return first & second
+    if first.dtype == torch.bool:
+        first, second = second, first
+    if second.dtype == torch.bool:
+        return torch.where(second, first, torch.tensor(-torch.inf, dtype=first.dtype, device=first.device))
+    return first + second

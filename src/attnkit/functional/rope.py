@@ -1,0 +1,65 @@
+"""Rotary position embedding (RoPE), the half-split form of GPT-NeoX and Llama.
+
+Each query and key vector of head_dim D is cut into halves (x1, x2); pair
+(x1[m], x2[m]) is rotated by the angle pos * base^(-2m / D). A query at
+position i and a key at position j then score q_i . k_j as a function of
+their vectors and of j - i alone.
+
+Legend: B batch, H heads, T positions, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)  # (..., D) -> 2 x (..., D/2)
+    return torch.cat((-x2, x1), dim=-1)  # -> (..., D)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding for heads of size ``head_dim`` (even).
+
+    There is no length limit and no buffer: angles are computed for the
+    positions each call needs, in float64 (float32 on devices without it)
+    whatever the input dtype, so half-precision layers keep exact positions.
+    ``forward(q, k, offset=n)`` rotates q and k (B, H, T, D) as positions
+    n .. n + T - 1, as a KV cache holding n positions needs.
+    """
+
+    def __init__(self, head_dim: int, *, base: float = 10000.0) -> None:
+        super().__init__()
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"RotaryEmbedding needs a positive even head_dim, got head_dim={head_dim!r}")
+        if not base > 1.0:
+            raise ValueError(f"RotaryEmbedding base must be > 1, got base={base!r}")
+        self.head_dim, self.base = head_dim, float(base)
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin of each position's angles, (T, D), both halves alike."""
+        compute = torch.float32 if positions.device.type == "mps" else torch.float64
+        exponents = torch.arange(0, self.head_dim, 2, dtype=compute, device=positions.device) / self.head_dim
+        inv_freq = self.base**-exponents  # (D/2,)
+        angles = positions.to(compute)[:, None] * inv_freq[None, :]  # (T, D/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (T, D/2) -> (T, D)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x (..., T, D) rotated by the angles of ``positions`` (T,)."""
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size {x.shape[-1]}")
+        cos, sin = self.cos_sin(positions, x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+    def forward(self, q: Tensor, k: Tensor, *, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """Rotate q and k (B, *, T, D) as positions offset .. offset + T - 1."""
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"q and k must cover the same positions, got T={q.shape[-2]} and {k.shape[-2]}")
+        positions = torch.arange(offset, offset + q.shape[-2], device=q.device)
+        return self.rotate(q, positions), self.rotate(k, positions)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base:g}"

@@ -1,0 +1,178 @@
+"""attnkit.MultiHeadAttention against the textbook and an independent reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import MultiHeadAttention
+from attnkit import textbook as tb
+from tests._reference import reference_attention
+
+BACKENDS = ["math", "sdpa", "chunked"]
+
+
+def rope_reference(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary embedding as complex multiplication (independent of attnkit)."""
+    d = x.shape[-1]
+    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    z = torch.complex(x[..., : d // 2], x[..., d // 2 :]) * torch.polar(
+        torch.ones_like(theta), positions.double()[:, None] * theta)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def layer_reference(layer: MultiHeadAttention, x: torch.Tensor, key_mask=None, attn_mask=None) -> torch.Tensor:
+    """The layer's function from its weights: fused rows are queries, then keys, then values."""
+    b, t, _ = x.shape
+    h, g, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    w, bias = layer.qkv_proj.weight.double(), layer.qkv_proj.bias
+    y = x.double() @ w.T + (0 if bias is None else bias.double())
+    q = y[..., : h * d].reshape(b, t, h, d).transpose(1, 2)
+    k = y[..., h * d : (h + g) * d].reshape(b, t, g, d).transpose(1, 2)
+    v = y[..., (h + g) * d :].reshape(b, t, g, d).transpose(1, 2)
+    if layer.rope is not None:
+        q, k = rope_reference(q, torch.arange(t)), rope_reference(k, torch.arange(t))
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    if attn_mask is not None:
+        mask = attn_mask if mask is None else mask & attn_mask
+    out, _ = reference_attention(q, k, v, mask=mask, causal=layer.causal, window=layer.window)
+    out = out.transpose(1, 2).reshape(b, t, h * d) @ layer.out_proj.weight.double().T
+    return out if layer.out_proj.bias is None else out + layer.out_proj.bias.double()
+
+
+@st.composite
+def layer_configs(draw):
+    g, r, d = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.sampled_from([2, 4, 6]))
+    causal = draw(st.booleans())
+    return dict(
+        d_in=draw(st.integers(1, 7)), d_out=g * r * d, num_heads=g * r, num_kv_heads=g, causal=causal,
+        qkv_bias=draw(st.booleans()), out_bias=draw(st.booleans()), rope=draw(st.booleans()),
+        window=draw(st.one_of(st.none(), st.integers(1, 4))) if causal else None,
+    )
+
+
+@given(config=layer_configs(), t=st.integers(1, 8), padded=st.booleans(), seed=st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_every_backend_computes_the_layers_function(config, t, padded, seed):
+    torch.manual_seed(seed)
+    layer = MultiHeadAttention(**config).double()
+    x = torch.randn(2, t, config["d_in"], dtype=torch.float64)
+    key_mask = (torch.rand(2, t) > 0.3) if padded else None
+    expected = layer_reference(layer, x, key_mask=key_mask)
+    for backend in BACKENDS:
+        layer.backend = backend
+        torch.testing.assert_close(layer(x, key_mask=key_mask), expected, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tb.MultiHeadAttention(5, 6, 40, 0.0, num_heads=3, qkv_bias=True),
+    lambda: tb.MultiHeadAttentionWrapper(5, 2, 40, 0.0, num_heads=3),
+    lambda: tb.CausalAttention(5, 4, 40, 0.0),
+])
+def test_from_textbook_is_the_same_function_with_the_same_gradients(make):
+    torch.manual_seed(0)
+    book = make().double()
+    layer = attnkit.from_textbook(book)
+    x = torch.randn(2, 40, 5, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 40, book(x).shape[-1], dtype=torch.float64)
+    torch.testing.assert_close(layer(x), book(x))
+    (gx_layer,) = torch.autograd.grad(layer(x), x, grad)
+    (gx_book,) = torch.autograd.grad(book(x), x, grad)
+    torch.testing.assert_close(gx_layer, gx_book)
+    assert layer(torch.randn(1, 100, 5, dtype=torch.float64)).shape[1] == 100  # no context_length cap
+
+
+def test_padded_keys_do_not_leak_into_real_tokens():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 8, 2, causal=False)
+    x = torch.randn(2, 6, 8)
+    key_mask = torch.tensor([[True] * 6, [True, True, True, True, False, False]])
+    out = layer(x, key_mask=key_mask)
+    x2 = x.clone()
+    x2[1, 4:] = torch.randn(2, 8) * 100  # whatever sits in the padding
+    torch.testing.assert_close(layer(x2, key_mask=key_mask)[1, :4], out[1, :4])
+
+
+def test_all_padding_gives_the_output_bias_and_finite_gradients():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 8, 2, causal=False)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    key_mask = torch.tensor([[True] * 5, [False] * 5])
+    out = layer(x, key_mask=key_mask)
+    torch.testing.assert_close(out[1], layer.out_proj.bias.expand(5, 8))
+    out.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in [x, *layer.parameters()])
+
+
+def test_need_weights_uses_the_same_function():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 8, 4, num_kv_heads=2, rope=True).eval()
+    x = torch.randn(2, 5, 8)
+    key_mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    out, weights = layer(x, key_mask=key_mask, need_weights=True)
+    assert weights.shape == (2, 4, 5, 5)
+    torch.testing.assert_close(out, layer(x, key_mask=key_mask))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 5))
+    assert (weights[1, :, :, 3:] == 0).all() and (weights[0].triu(1) == 0).all()
+
+
+def test_dropout_only_in_training_mode():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 8, 2, dropout=0.5)
+    x = torch.randn(2, 6, 8)
+    plain = MultiHeadAttention(8, 8, 2)
+    plain.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(layer.eval()(x), plain(x))
+    assert (layer.train()(x) - plain(x)).abs().amax() > 1e-3
+    layer.backend = "chunked"
+    with pytest.raises(ValueError, match=r"backend 'chunked' cannot serve this call: it has no dropout"):
+        layer(x)
+    torch.testing.assert_close(layer.eval()(x), plain(x))  # chunked is fine once dropout is off
+
+
+def test_cross_attention_layer():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(6, 8, 4, num_kv_heads=2, causal=False, d_context=10).double()
+    assert layer.qkv_proj is None and layer.kv_proj.weight.shape == (2 * 2 * 2, 10)
+    x, context = torch.randn(2, 3, 6, dtype=torch.float64), torch.randn(2, 7, 10, dtype=torch.float64)
+    key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    q = (layer.q_proj(x)).view(2, 3, 4, 2).transpose(1, 2)
+    k, v = layer.kv_proj(context).view(2, 7, 2, 2, 2).permute(2, 0, 3, 1, 4)  # (2, B, G, S, D)
+    out, _ = reference_attention(q, k, v, mask=key_mask[:, None, None, :])
+    expected = layer.out_proj(out.transpose(1, 2).reshape(2, 3, 8))
+    for backend in BACKENDS:
+        layer.backend = backend
+        torch.testing.assert_close(layer(x, context, key_mask=key_mask), expected)
+
+
+def test_self_attention_layer_can_attend_to_a_context_of_its_width():
+    """The fused weight serves cross-attention too: queries from x, keys and values from context."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 8, 2, causal=False).double()
+    x, context = torch.randn(1, 3, 8, dtype=torch.float64), torch.randn(1, 5, 8, dtype=torch.float64)
+    both = torch.cat([x, context], dim=1)
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    mask[:, 3:] = True  # every query sees only the context part
+    torch.testing.assert_close(layer(x, context), layer(both, attn_mask=mask)[:, :3])
+
+
+def test_attn_mask_and_key_mask_together():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(6, 6, 3, causal=False).double()
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    key_mask = torch.tensor([[True] * 5, [True, True, True, True, False]])
+    attn_mask = torch.rand(1, 3, 5, 5) > 0.3
+    expected = layer_reference(layer, x, key_mask=key_mask, attn_mask=attn_mask)
+    torch.testing.assert_close(layer(x, key_mask=key_mask, attn_mask=attn_mask), expected)
+    float_mask = torch.zeros(1, 3, 5, 5, dtype=torch.float64).masked_fill(~attn_mask, -torch.inf)
+    torch.testing.assert_close(layer(x, key_mask=key_mask, attn_mask=float_mask), expected)
+
+
+def test_grouped_and_multi_query_projection_sizes():
+    assert MultiHeadAttention(16, 16, 4, num_kv_heads=2).qkv_proj.out_features == (4 + 2 * 2) * 4
+    mqa = MultiHeadAttention(16, 16, 4, num_kv_heads=1)
+    assert mqa.qkv_proj.out_features == (4 + 2) * 4
+    assert mqa(torch.randn(1, 3, 16)).shape == (1, 3, 16)
