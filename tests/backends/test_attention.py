@@ -216,3 +216,15 @@ def test_auto_avoids_a_dense_band_for_long_windows_and_partial_causal():
     assert pick(1, 8192, causal=True, window=256) == "sdpa"  # one decoding query: a tiny band
     assert pick(64, 64, causal=True, window=8) == "sdpa"
     assert pick(4096, 4096, causal=True, window=256, dropout_p=0.1) == "sdpa"  # chunked has no dropout
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_inputs_are_not_modified(variant):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
+    mask = torch.randn(1, 1, 5, 5)
+    before = [t.detach().clone() for t in (q, k, v, mask)]
+    with backend_variant(variant) as backend:
+        attention(q, k, v, mask=mask, causal=True, backend=backend).sum().backward()
+    for original, t in zip(before, (q, k, v, mask), strict=True):
+        assert torch.equal(original, t.detach())
