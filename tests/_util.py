@@ -23,3 +23,18 @@ def assert_printed(actual: Tensor, printed: Nested | Tensor, atol: float = 1e-4)
 def assert_close64(actual: Tensor, reference: Tensor, **kw: float) -> None:
     """Compare with a float64 reference, at the precision of ``actual``'s dtype."""
     torch.testing.assert_close(actual.detach().double(), reference.detach().double(), **kw)
+
+
+def need(module: str):
+    """Import an optional test dependency: skip without it locally, but fail under CI=true.
+
+    CI installs every dependency (scripts/test.sh), so there a missing one is an error, never a skip.
+    """
+    import importlib
+    import os
+
+    import pytest
+
+    if os.environ.get("CI") == "true":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)

@@ -92,3 +92,52 @@ def test_python_dash_m_runs_the_same_command():
     result = subprocess.run([sys.executable, "-m", "attnkit", "explain", "--steps", "output"],
                             capture_output=True, text=True, check=True)
     assert "12. Output" in result.stdout
+
+
+def test_png_and_html_for_the_toy_layer(capsys, tmp_path):
+    code, _, _ = run(capsys, "--steps", "output", "--png", str(tmp_path / "h.png"),
+                     "--html", str(tmp_path / "p.html"))
+    assert code == 0
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+    page = (tmp_path / "p.html").read_text()
+    assert "textbook MultiHeadAttention" in page and '"tokens":["Your","journey"' in page
+
+
+def test_minilm_walkthrough_png_html_json(capsys, tmp_path):
+    code, out, _ = run(capsys, "--model", "minilm", "The cat sat on the mat.", "--layer", "2", "--head", "8",
+                       "--png", str(tmp_path / "h.png"), "--html", str(tmp_path / "p.html"),
+                       "--json", str(tmp_path / "s.json"))
+    assert code == 0, out
+    assert "layer 2 (layers.2.attention), head 8" in out and "[CLS]" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    doc = json.loads((tmp_path / "s.json").read_text())
+    weights = next(s for s in doc["steps"] if s["key"] == "softmax")["tensors"]["weights"]
+    assert weights["shape"] == [9, 9] and doc["tokens"][:3] == ["[CLS]", "the", "cat"]
+    assert abs(sum(weights["data"][1]) - 1) < 1e-4
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "p.html").read_text().count('"name":"layers.') == 6
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "minilm", "--layer", "6"], "layer 6 is out of range: MiniLM has layers 0 to 5"),
+    (["--model", "minilm", "--head", "-1"], "head -1 is out of range: layers.0.attention has heads 0 to 11"),
+    (["--model", "minilm", "   "], "tokenizes to nothing"),
+    (["--model", "minilm", "--heads", "3"], "--heads sets up the toy layer; it does not apply to --model minilm"),
+    (["--layer", "1"], "--layer applies to a real model: add --model minilm"),
+    (["--model", "minilm", *(["word"] * 600)], "602 tokens but MiniLM takes at most 512 positions"),
+])
+def test_model_bad_input(capsys, args, message):
+    code, _, err = run(capsys, *args)
+    assert code == 2 and message in err
+
+
+def test_truncate_cuts_long_text_with_a_warning(capsys):
+    with pytest.warns(UserWarning, match="truncated to MiniLM's 512 positions"):
+        code, out, _ = run(capsys, "--model", "minilm", "--truncate", "--steps", "context", *(["word"] * 600))
+    assert code == 0 and "512 word pieces" in out
+
+
+def test_missing_optional_dependency_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    code, _, err = run(capsys)
+    assert code == 2 and "pip install 'attnkit[cli]'" in err

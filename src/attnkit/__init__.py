@@ -6,13 +6,17 @@
 - :class:`MultiHeadAttention`: fused QKV, grouped-query heads, cross-attention,
   padding masks, rotary embeddings, sliding windows and a :class:`KVCache`.
 - :func:`from_torch`, :func:`from_textbook`: converters.
+- :func:`trace`: every intermediate of every attention layer in a model.
 - :mod:`attnkit.textbook`: the chapter "Coding attention mechanisms" as code.
+- :mod:`attnkit.inspect`: walkthroughs, heatmaps, an interactive page.
+- :mod:`attnkit.models`: pretrained models rebuilt on attnkit (MiniLM).
 """
 
 from .backends import attention
 from .functional import RotaryEmbedding
+from .inspect import trace
 from .modules import KVCache, MultiHeadAttention, from_textbook, from_torch
 
 __version__ = "0.1.0"
 
-__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "attention", "from_textbook", "from_torch"]
+__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "attention", "from_textbook", "from_torch", "trace"]

@@ -25,7 +25,8 @@ def require(module: str, feature: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        package, extra = _EXTRAS.get(module, (module, None))
+        top = module.split(".")[0]  # matplotlib.figure -> matplotlib
+        package, extra = _EXTRAS.get(top, (top, None))
         if extra is not None:
             how = f"pip install 'attnkit[{extra}]'"
         else:

@@ -20,22 +20,35 @@ from .registry import Backend, register
 _UPCAST = (torch.float16, torch.bfloat16)
 
 
-def math_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
-    """(out (B, H, T, Dv), weights (B, H, T, S)); weights are taken before dropout."""
-    compute = torch.float32 if call.q.dtype in _UPCAST else call.q.dtype
-    q = call.q.to(compute)
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _UPCAST else dtype
+
+
+def masked_scores(call: AttentionCall) -> Tensor:
+    """Scaled scores (B, H, T, S) with -inf where a key is blocked: what softmax receives."""
+    compute = compute_dtype(call.q.dtype)
     k = expand_kv(call.k, call.num_heads).to(compute)  # (B, G, S, D) -> (B, H, S, D)
-    v = expand_kv(call.v, call.num_heads).to(compute)
-    scores = (q @ k.transpose(-2, -1)) * call.scale  # (B, H, T, D) @ (B, H, D, S) -> (B, H, T, S)
+    scores = (call.q.to(compute) @ k.transpose(-2, -1)) * call.scale  # (B, H, T, D) @ (B, H, D, S) -> (B, H, T, S)
     mask = call.dense_mask()
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, -torch.inf)
     elif mask is not None:
         scores = scores + mask.to(compute)
-    empty = scores.amax(dim=-1, keepdim=True) == -torch.inf  # (B, H, T, 1): no visible key
-    scores = scores.masked_fill(empty, 0.0)  # finite softmax there; zeroed just below
-    weights = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
+    return scores
+
+
+def softmax_rows(scores: Tensor) -> Tensor:
+    """Softmax over keys; a row with no visible key (all -inf) gets weights 0, not NaN."""
+    empty = scores.amax(dim=-1, keepdim=True) == -torch.inf  # (B, H, T, 1)
+    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)  # finite softmax there...
+    return weights.masked_fill(empty, 0.0)  # ...then zeroed
+
+
+def math_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
+    """(out (B, H, T, Dv), weights (B, H, T, S)); weights are taken before dropout."""
+    weights = softmax_rows(masked_scores(call))
     dropped = F.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
+    v = expand_kv(call.v, call.num_heads).to(weights.dtype)  # (B, G, S, Dv) -> (B, H, S, Dv)
     out = dropped @ v  # (B, H, T, S) @ (B, H, S, Dv) -> (B, H, T, Dv)
     return out.to(call.q.dtype), weights.to(call.q.dtype)
 

@@ -19,6 +19,8 @@ from torch import Tensor
 
 from attnkit import textbook as tb
 
+from .trace import AttentionRecord
+
 # The steps in order, with their titles; `--steps` picks among these keys.
 STEPS: dict[str, str] = {
     "inputs": "Input embeddings",
@@ -183,3 +185,29 @@ def select(steps: list[Step], keys: Sequence[str] | None) -> list[Step]:
     if unknown:
         raise ValueError(f"unknown step(s) {', '.join(unknown)}; choose from: {', '.join(STEPS)}")
     return [s for s in steps if s.key in set(keys)]
+
+
+def record_steps(record: AttentionRecord, head: int, tokens: Sequence[str], batch_index: int = 0) -> list[Step]:
+    """The walkthrough of one head of a traced layer (see :func:`attnkit.trace`)."""
+    heads = record.num_heads
+    if not 0 <= head < heads:
+        raise ValueError(f"head {head} is out of range: {record.name} has heads 0 to {heads - 1}")
+    d = record.queries.shape[-1]
+    pick = {n: getattr(record, n)[batch_index, head] for n in ("queries", "keys", "values", "scores",
+                                                                  "weights", "context")}
+    qk = ("query", "key")
+    return [
+        Step("qkv", STEPS["qkv"], f"Head {head}'s slice of the fused projection of {record.name}: what each "
+             "token looks for, offers and passes on.",
+             {n: pick[n] for n in ("queries", "keys", "values")},
+             {"queries": ("token", "hd"), "keys": ("token", "hd"), "values": ("token", "hd")}),
+        Step("scaled", STEPS["scaled"], f"Query-key dot products divided by sqrt(head_dim)={d**0.5:.4g}; "
+             "-inf where a key is blocked (padding, or a later token in a causal layer).",
+             {"scaled": pick["scores"]}, {"scaled": qk}),
+        Step("softmax", STEPS["softmax"], "Softmax of each row: how much each token takes from each other.",
+             {"weights": pick["weights"]}, {"weights": qk}),
+        Step("context", STEPS["context"], f"Head {head}'s weighted sums of the values.",
+             {"context": pick["context"]}, {"context": ("token", "hd")}),
+        Step("output", STEPS["output"], "The layer's output: all heads merged and projected by out_proj.",
+             {"output": record.output[batch_index]}, {"output": ("token", "d_out")}),
+    ]

@@ -1,0 +1,81 @@
+"""What ``attnkit explain`` shows: the toy layer of the notebooks, or a real model.
+
+Each builder returns an :class:`Explanation`: the tokens, the walkthrough
+steps, a header, one layer's weights for ``--png`` and every layer's for
+``--html``. The command line only prints and writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from attnkit import textbook as tb
+
+from . import walkthrough as wt
+from .html import trace_layers
+from .trace import trace
+
+MODELS = ("minilm",)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    tokens: tuple[str, ...]
+    steps: list[wt.Step]
+    header: list[str]
+    heads_title: str
+    heads: Tensor  # (H, T, S): the weights of the layer shown, for --png
+    layers: list[tuple[str, Tensor]]  # every layer's (name, weights (H, T, S)), for --html
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def explain_toy(text: str | None, *, d_out: int = 4, num_heads: int = 2, seed: int = 123,
+                dropout: float = 0.0, causal: bool = True) -> Explanation:
+    """The notebooks' textbook MultiHeadAttention on their sentence, or on ``text`` with random embeddings."""
+    example = wt.book_example() if text is None else wt.text_example(text, seed=seed)
+    d_in = example.embeddings.shape[1]
+    mha = wt.build_layer(d_in, d_out, num_heads, len(example.tokens), seed=seed, dropout=dropout)
+    mha.train(dropout > 0)
+    steps = wt.walkthrough(mha, example, causal=causal)
+    weights = next(s for s in steps if s.key == "softmax").tensors["weights"]  # (H, T, T)
+    name = f"textbook MultiHeadAttention(d_in={d_in}, d_out={d_out}, num_heads={num_heads})"
+    header = [
+        f"text:  {' '.join(example.tokens)}  ({len(example.tokens)} tokens)",
+        f"embeddings: {example.source}",
+        f"layer: {name}, head_dim={mha.head_dim}",
+        f"       {'causal' if causal else 'not causal'}, dropout={dropout}, weights from torch.manual_seed({seed})",
+    ]
+    meta = {"text": " ".join(example.tokens), "source": example.source, "d_in": d_in, "d_out": d_out,
+            "num_heads": num_heads, "head_dim": mha.head_dim, "causal": causal, "dropout": dropout, "seed": seed}
+    return Explanation(example.tokens, steps, header, f"attnkit explain: {name}", weights, [(name, weights)], meta)
+
+
+def explain_model(model_name: str, text: str | None, *, layer: int = 0, head: int = 0,
+                  truncate: bool = False) -> Explanation:
+    """A pretrained model's real tokens and weights: the walkthrough of one layer and head."""
+    if model_name not in MODELS:
+        raise ValueError(f"unknown model {model_name!r}; choose from: {', '.join(MODELS)}")
+    from attnkit.models import load_minilm
+
+    model = load_minilm()
+    layers = len(model.layers)
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer {layer} is out of range: MiniLM has layers 0 to {layers - 1}")
+    text = tb.SENTENCE if text is None else text
+    batch = model.tokenize(text, truncate=truncate)
+    tokens = tuple(model.token_strings(batch["input_ids"])[0])
+    with trace(model) as recorded:
+        model(batch["input_ids"], attention_mask=batch["attention_mask"])
+    record = recorded.records[layer]
+    steps = wt.record_steps(record, head, tokens)
+    header = [
+        f"text:  {text}  ({len(tokens)} word pieces, with [CLS] and [SEP])",
+        "model: all-MiniLM-L6-v2 (6 layers x 12 heads, hidden 384) on attnkit layers",
+        f"shown: layer {layer} ({record.name}), head {head}; weights are the model's own",
+    ]
+    meta = {"text": text, "model": "all-MiniLM-L6-v2", "layer": layer, "head": head}
+    return Explanation(tokens, steps, header, f"MiniLM layer {layer}: {text}", record.weights[0],
+                       trace_layers(recorded), meta)

@@ -1,0 +1,63 @@
+"""One self-contained HTML page to explore attention weights, offline.
+
+The page (``page.html`` beside this file) inlines its CSS, JavaScript and
+data: no CDN, no network. A head view draws a line from each query token to
+each key token, one colour per head, opacity = weight; hovering a token
+shows its lines alone. A heatmap view shows one head's weights as a grid.
+
+Legend: H heads, T queries, S keys.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from torch import Tensor
+
+from .trace import Trace
+
+MAX_NUMBERS = 4_000_000  # about 30 MB of page; beyond that a browser struggles
+
+
+def _layer(name: str, weights: Tensor, t: int, s: int) -> dict[str, object]:
+    if not isinstance(weights, Tensor) or weights.dim() != 3 or tuple(weights.shape[1:]) != (t, s):
+        shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        raise ValueError(f"layer {name!r}: weights must be (H, T={t}, S={s}), got {shape}")
+    rounded = weights.detach().float().cpu().clamp(0, 1).mul(1e4).round().div(1e4)
+    return {"name": name, "weights": rounded.tolist()}
+
+
+def render_page(tokens: Sequence[str], layers: Sequence[tuple[str, Tensor]], *, title: str = "attnkit",
+                subtitle: str = "", key_tokens: Sequence[str] | None = None) -> str:
+    """The page's HTML for ``layers``: (name, weights (H, T, S)) pairs."""
+    tokens, keys = list(tokens), list(key_tokens) if key_tokens is not None else None
+    if not tokens or not layers:
+        raise ValueError("a page needs at least one token and one layer")
+    t, s = len(tokens), len(keys) if keys is not None else len(tokens)
+    numbers = sum(w.numel() for _, w in layers)
+    if numbers > MAX_NUMBERS:
+        raise ValueError(f"{numbers} weights are too many for one page (at most {MAX_NUMBERS}): "
+                         "use a shorter text or fewer layers")
+    data = {"tokens": tokens, "key_tokens": keys, "subtitle": subtitle,
+            "layers": [_layer(name, w, t, s) for name, w in layers]}
+    payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # no "</script>" inside
+    template = resources.files("attnkit.inspect").joinpath("page.html").read_text(encoding="utf-8")
+    return template.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
+
+
+def write_html(path: str | Path, tokens: Sequence[str], layers: Sequence[tuple[str, Tensor]], *,
+               title: str = "attnkit", subtitle: str = "", key_tokens: Sequence[str] | None = None) -> Path:
+    """Write :func:`render_page` to ``path``; returns the path."""
+    path = Path(path)
+    path.write_text(render_page(tokens, layers, title=title, subtitle=subtitle, key_tokens=key_tokens),
+                    encoding="utf-8")
+    return path
+
+
+def trace_layers(trace: Trace, batch_index: int = 0) -> list[tuple[str, Tensor]]:
+    """(name, weights (H, T, S)) of each record of ``trace``, for one sequence of the batch."""
+    return [(record.name, record.weights[batch_index]) for record in trace.records]

@@ -1,0 +1,99 @@
+"""Heatmaps of attention weights with matplotlib (extra ``viz``, imported on first use).
+
+- :func:`plot_heads`: one panel per head, query tokens down, key tokens
+  across, one colour bar;
+- :func:`plot_model_view`: a grid of small heatmaps, layers x heads.
+
+Figures are built with matplotlib's object API on the Agg canvas: no pyplot
+state, no display needed. ``fig.savefig(path)`` writes them.
+
+Legend: L layers, H heads, T queries, S keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from attnkit._optional import require
+
+FEATURE = "attnkit's heatmaps"
+
+
+def _figure(width: float, height: float) -> Any:
+    """A Figure attached to an Agg canvas (so savefig works without pyplot)."""
+    figure = require("matplotlib.figure", FEATURE).Figure(figsize=(width, height), layout="constrained")
+    require("matplotlib.backends.backend_agg", FEATURE).FigureCanvasAgg(figure)
+    return figure
+
+
+def _check_weights(weights: Tensor, rank: int, what: str) -> Tensor:
+    if not isinstance(weights, Tensor) or weights.dim() != rank:
+        shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        raise ValueError(f"{what} must be a {rank}-d tensor, got {shape}")
+    return weights.detach().float().cpu()
+
+
+def _check_tokens(tokens: Sequence[str], size: int, what: str) -> list[str]:
+    tokens = list(tokens)
+    if len(tokens) != size:
+        raise ValueError(f"{len(tokens)} {what} tokens for a weights axis of size {size}")
+    return tokens
+
+
+def plot_heads(weights: Tensor, tokens: Sequence[str], key_tokens: Sequence[str] | None = None, *,
+               title: str | None = None, columns: int = 4) -> Any:
+    """One heatmap per head of ``weights`` (H, T, S), tokens on both axes, one colour bar.
+
+    ``key_tokens`` default to ``tokens`` (self-attention). Returns the Figure.
+    """
+    w = _check_weights(weights, 3, "weights (H, T, S)")
+    heads, t, s = w.shape
+    queries = _check_tokens(tokens, t, "query")
+    keys = _check_tokens(key_tokens if key_tokens is not None else tokens, s, "key")
+    cols = min(columns, heads)
+    rows = -(-heads // cols)
+    cell = max(2.2, 0.28 * max(t, s))
+    fig = _figure(cell * cols + 1.2, cell * rows + (0.5 if title else 0))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    image = None
+    for h, ax in enumerate(axes.flat):
+        if h >= heads:
+            ax.axis("off")
+            continue
+        image = ax.imshow(w[h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        ax.set_title(f"head {h}", fontsize=9)
+        ax.set_xticks(range(s), keys, rotation=90, fontsize=7)
+        ax.set_yticks(range(t), queries, fontsize=7)
+    fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def plot_model_view(weights: Tensor, tokens: Sequence[str], *, title: str | None = None,
+                    layer_names: Sequence[str] | None = None) -> Any:
+    """A layers x heads grid of small heatmaps from ``weights`` (L, H, T, S). Returns the Figure."""
+    w = _check_weights(weights, 4, "weights (L, H, T, S)")
+    layers, heads, t, _ = w.shape
+    _check_tokens(tokens, t, "query")
+    names = list(layer_names) if layer_names is not None else [f"layer {i}" for i in range(layers)]
+    if len(names) != layers:
+        raise ValueError(f"{len(names)} layer names for {layers} layers")
+    fig = _figure(1.1 * heads + 1.5, 1.1 * layers + (0.6 if title else 0.3))
+    axes = fig.subplots(layers, heads, squeeze=False)
+    image = None
+    for (layer, head), ax in zip(((i, j) for i in range(layers) for j in range(heads)), axes.flat, strict=True):
+        image = ax.imshow(w[layer, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if layer == 0:
+            ax.set_title(f"head {head}", fontsize=8)
+        if head == 0:
+            ax.set_ylabel(names[layer], fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    if title:
+        fig.suptitle(title)
+    return fig

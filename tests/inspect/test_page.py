@@ -1,0 +1,106 @@
+"""The interactive page: self-contained, and drawn right in a real headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnkit.inspect.html import render_page, write_html
+
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+         "--disable-default-apps", "--disable-extensions"]
+
+
+def _layers(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(f"layer {i}", torch.softmax(torch.randn(3, 5, 5, generator=gen) * 2, dim=-1)) for i in range(2)]
+
+
+TOKENS = ["<b>The</b>", "cat", "sat", "</script>", "down"]
+
+
+def _data(page: str) -> dict:
+    payload = re.search(r'<script id="attnkit-data" type="application/json">(.*?)</script>', page, re.S)
+    assert payload is not None
+    return json.loads(payload.group(1))
+
+
+def test_page_is_self_contained_and_carries_the_data():
+    page = render_page(TOKENS, _layers(), title="A <title> & more")
+    assert "<title>A &lt;title&gt; &amp; more</title>" in page
+    assert not re.search(r"<script[^>]+src=|<link|@import|url\(|https?://(?!www\.w3\.org/2000/svg)", page)
+    data = _data(page)
+    assert data["tokens"] == TOKENS  # "</script>" in a token did not end the data block
+    torch.testing.assert_close(torch.tensor(data["layers"][1]["weights"]), _layers()[1][1], atol=5e-5, rtol=0)
+
+
+def test_page_refuses_mismatched_or_huge_input():
+    with pytest.raises(ValueError, match=r"layer 'x': weights must be \(H, T=2, S=2\), got \(1, 3, 3\)"):
+        render_page(["a", "b"], [("x", torch.rand(1, 3, 3))])
+    with pytest.raises(ValueError, match=r"too many for one page"):
+        render_page(["a"] * 600, [("x", torch.rand(12, 600, 600))])
+    with pytest.raises(ValueError, match=r"at least one token and one layer"):
+        render_page([], [])
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{CHROMIUM} is missing; scripts/browser.sh installs it")
+        pytest.skip(f"no {CHROMIUM}")
+    from tests._util import need
+
+    sync_api = need("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.mark.browser
+def test_hovering_a_token_draws_its_weights(browser, tmp_path):
+    layers = _layers()
+    path = write_html(tmp_path / "page.html", TOKENS, layers, title="test page")
+    page = browser.new_page(viewport={"width": 1000, "height": 700})
+    requests, errors = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(path.as_uri())
+    page.select_option("#layer", "1")
+    page.uncheck('#heads input[data-head="1"]')  # heads 0 and 2 stay
+    page.hover('#tokens text[data-side="query"][data-index="2"]')
+    lines = page.eval_on_selector_all("#line-layer line", "ls => ls.map(l => ({...l.dataset, "
+                                      "opacity: l.getAttribute('stroke-opacity'), stroke: l.getAttribute('stroke')}))")
+    assert len(lines) == 2 * 5  # every key, for each of the two heads left
+    weights = layers[1][1]
+    for line in lines:
+        head, query, key = int(line["head"]), int(line["query"]), int(line["key"])
+        assert head in (0, 2) and query == 2
+        assert abs(float(line["weight"]) - weights[head, query, key].item()) < 1e-4
+        assert abs(float(line["opacity"]) - weights[head, query, key].item()) < 1e-4
+    assert len({line["stroke"] for line in lines}) == 2  # one colour per head
+    assert "Query \"sat\"" in page.inner_text("#status")
+    page.screenshot(path=str(tmp_path / "head-view.png"))
+    page.hover("h1")  # leave the token: lines of weight >= 0.05 for every query
+    shown = page.eval_on_selector_all("#line-layer line", "ls => ls.map(l => Number(l.dataset.weight))")
+    assert len(shown) == int(((weights[[0, 2]] >= 0.05).sum()).item()) and min(shown) >= 0.05
+    page.click("#show-heatmap")
+    page.select_option("#heatmap-head", "2")
+    cells = page.eval_on_selector_all("#heatmap td", "cs => cs.map(c => [Number(c.dataset.query), "
+                                      "Number(c.dataset.key), Number(c.dataset.value)])")
+    assert len(cells) == 25
+    for q, k, value in cells:
+        assert abs(value - weights[2, q, k].item()) < 1e-4
+    page.screenshot(path=str(tmp_path / "heatmap.png"))
+    assert (tmp_path / "head-view.png").read_bytes()[:4] == b"\x89PNG"
+    assert errors == [] and all(url.startswith("file://") for url in requests)
+    page.close()

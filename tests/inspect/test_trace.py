@@ -1,0 +1,125 @@
+"""attnkit.trace: records every intermediate, changes nothing, and leaves no trace behind."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import attnkit
+from attnkit import MultiHeadAttention
+from attnkit import textbook as tb
+from attnkit.backends.call import make_call
+from attnkit.backends.math import math_attention
+
+
+def _same_under_seed(model, x, **kw):
+    torch.manual_seed(7)
+    plain = model(x, **kw)
+    torch.manual_seed(7)
+    with attnkit.trace(model) as t:
+        traced = model(x, **kw)
+    return plain, traced, t
+
+
+TEXTBOOK = [
+    lambda: tb.SelfAttention_v1(4, 3),
+    lambda: tb.SelfAttention_v2(4, 3, qkv_bias=True),
+    lambda: tb.CausalAttention(4, 3, 8, dropout=0.3),
+    lambda: tb.MultiHeadAttentionWrapper(4, 2, 8, dropout=0.3, num_heads=3),
+    lambda: tb.MultiHeadAttention(4, 6, 8, dropout=0.3, num_heads=3),
+    lambda: tb.PerHeadAttention(4, 2, num_heads=3, d_out=6),
+]
+
+
+@pytest.mark.parametrize("make", TEXTBOOK)
+@pytest.mark.parametrize("training", [False, True])
+def test_textbook_layers_compute_the_same_while_traced(make, training):
+    torch.manual_seed(0)
+    layer = make().train(training)
+    x = torch.randn(2, 5, 4)
+    plain, traced, t = _same_under_seed(layer, x)
+    torch.testing.assert_close(traced, plain)
+    (record,) = t.records
+    b, h, q, s = record.weights.shape
+    assert (b, q, s) == (2, 5, 5) and record.scores.shape == record.weights.shape
+    torch.testing.assert_close(record.output, plain)
+    torch.testing.assert_close(record.weights.sum(-1), torch.ones(b, h, q))
+    torch.testing.assert_close(torch.softmax(record.scores, -1), record.weights)
+    assert "forward" not in layer.__dict__  # restored after the block
+    single = layer(x[0])  # 2-d input still works while traced and after
+    assert single.shape == plain.shape[1:]
+
+
+def test_attnkit_layer_records_match_the_math_backend_and_the_output():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 8, 4, num_kv_heads=2, rope=True, qkv_bias=True).eval()
+    x = torch.randn(2, 6, 8)
+    key_mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    plain, traced, t = _same_under_seed(layer, x, key_mask=key_mask)
+    torch.testing.assert_close(traced, plain)
+    (r,) = t.records
+    assert r.name == "MultiHeadAttention" and r.keys.shape == (2, 4, 6, 2)  # 2 kv heads repeated to 4
+    q, k, v = layer.project(x)
+    q, k = layer.rope(q, k)
+    call = make_call(q, k, v, mask=key_mask[:, None, None, :], causal=True)
+    out, weights = math_attention(call)
+    torch.testing.assert_close(r.weights, weights)
+    torch.testing.assert_close(r.context, out)
+    torch.testing.assert_close(r.queries, q)
+    assert torch.isinf(r.scores[1, :, :, 4:]).all()  # padding keys blocked
+    merged = r.context.transpose(1, 2).reshape(2, 6, 8)
+    torch.testing.assert_close(layer.out_proj(merged), r.output)
+
+
+def test_records_in_call_order_with_names_and_outer_layers_only():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({
+        "first": MultiHeadAttention(4, 4, 2),
+        "second": tb.MultiHeadAttentionWrapper(4, 2, 8, 0.0, num_heads=2),
+    })
+    x = torch.randn(1, 3, 4)
+    with attnkit.trace(model) as t:
+        model["second"](x)
+        model["first"](x)
+        model["second"](x)
+    assert [r.name for r in t.records] == ["second", "first", "second"]
+    assert len(t.named("second")) == 2 and t.records[0].num_heads == 2  # the wrapper's heads are one record
+
+
+def test_traced_attnkit_layers_use_math_only_inside_the_block():
+    layer = MultiHeadAttention(4, 4, 2, backend="sdpa").eval()
+    x = torch.randn(1, 3, 4)
+    with mock.patch("attnkit.modules.attention.attention", wraps=attnkit.attention) as spy:
+        with attnkit.trace(layer) as t:
+            layer(x)
+        assert spy.call_count == 0 and len(t) == 1  # the tracer computed it, with every step
+        layer(x)
+        assert spy.call_count == 1 and spy.call_args.kwargs["backend"] == "sdpa"
+    assert len(t) == 1  # nothing recorded after the block
+
+
+def test_everything_is_restored_even_after_an_error():
+    model = nn.Sequential(MultiHeadAttention(4, 4, 2), tb.CausalAttention(4, 4, 8, 0.0))
+    with pytest.raises(RuntimeError, match="boom"), attnkit.trace(model):
+        raise RuntimeError("boom")
+    assert model[0]._observer is None and not model[0]._forward_hooks
+    assert "forward" not in model[1].__dict__
+
+
+def test_need_weights_and_cross_attention_while_traced():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(4, 4, 2, causal=False, d_context=6).eval()
+    x, context = torch.randn(1, 3, 4), torch.randn(1, 5, 6)
+    with attnkit.trace(layer) as t:
+        out, weights = layer(x, context, need_weights=True)
+    torch.testing.assert_close(weights, t.records[0].weights)
+    torch.testing.assert_close(out, layer(x, context))
+    assert t.records[0].weights.shape == (1, 2, 3, 5)
+
+
+def test_trace_needs_a_module():
+    with pytest.raises(TypeError, match=r"trace\(\) expects an nn.Module, got str"), attnkit.trace("model"):
+        pass
