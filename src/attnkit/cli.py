@@ -1,6 +1,7 @@
 """The ``attnkit`` command: thin subcommands over library functions.
 
     attnkit explain [TEXT ...]   multi-head attention step by step
+    attnkit bench [--quick]      speed and memory beside the alternatives
 """
 
 from __future__ import annotations
@@ -113,11 +114,113 @@ def _explain_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_explain)
 
 
+def _csv(kind: type) -> Any:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(item.strip()) for item in text.split(",") if item.strip()]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}: {text!r}") from err
+
+    return parse
+
+
+def _bench_cases(args: argparse.Namespace) -> list[Any]:
+    from attnkit.bench import cases as bench_cases
+    from attnkit.bench.contenders import CONTENDERS
+    from attnkit.bench.decode import DECODERS
+
+    known = set(CONTENDERS) | set(DECODERS)
+    unknown = [c for c in args.contenders or [] if c not in known]
+    if unknown:
+        raise ValueError(f"unknown contender(s) {', '.join(unknown)}; choose from: {', '.join(sorted(known))}")
+    bad_modes = [m for m in args.modes or [] if m not in bench_cases.MODES]
+    if bad_modes:
+        raise ValueError(f"unknown mode(s) {', '.join(bad_modes)}; choose from: {', '.join(bench_cases.MODES)}")
+    if args.suite == "custom":
+        cases = bench_cases.grid(args.contenders or ["attnkit", "raw-sdpa"], args.modes or ["inference"],
+                                 args.batch or [1], args.seq_lens or [1024])
+    else:
+        cases = bench_cases.SUITES[args.suite]()
+        cases = [c for c in cases if (not args.contenders or c.contender in args.contenders)
+                 and (not args.modes or c.mode in args.modes) and (not args.batch or c.batch in args.batch)
+                 and (not args.seq_lens or c.seq_len in args.seq_lens)]
+    if not cases:
+        raise ValueError(f"no case of the {args.suite} suite matches these filters")
+    return [bench_cases.Case(c.contender, c.mode, c.batch, c.seq_len, dtype=args.dtype, device=args.device)
+            for c in cases]
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from attnkit.bench import report, runner
+
+    rich_console = require("rich.console", "attnkit bench")
+    rich_progress = require("rich.progress", "attnkit bench")
+    if args.repeats < 1 or args.warmup < 0:
+        raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    cases = _bench_cases(args)
+    console = rich_console.Console(width=None if sys.stdout.isatty() else 120)  # logs get the full table
+    env = runner.environment(args.device, args.dtype)
+    matmul = runner.matmul_gflops(args.dtype, args.device)
+    results = []
+    with rich_progress.Progress(*rich_progress.Progress.get_default_columns(), console=console) as progress:
+        task = progress.add_task("benchmark", total=len(cases))
+        for group in runner.group_cases(cases):
+            first = group[0]
+            progress.update(task, description=f"{first.mode} B={first.batch} T={first.seq_len}: "
+                            f"{len(group)} contenders")
+            results += runner.run_group(group, repeats=args.repeats, warmup=args.warmup,
+                                        memory=not args.no_memory, max_bytes=args.max_memory_gib * 2**30)
+            progress.advance(task, len(group))
+    rows = report.with_ratios([r.to_dict() for r in results], args.baseline)
+    found = report.targets(rows, matmul)
+    report.print_report(console, rows, found, env, matmul)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_json(out / "results.json", rows, found, env, matmul)
+    (out / "summary.md").write_text(report.markdown(rows, found, env, matmul))
+    written = [out / "results.json", out / "summary.md"]
+    try:
+        written += report.plot(rows, out)
+    except MissingDependencyError as err:
+        console.print(f"no plots: {err}")
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="time and measure attention beside the alternatives",
+                       description="Run benchmark cases: median of --repeats runs after --warmup, min and max, "
+                       "peak extra memory (each case in a fresh process), GFLOP/s and its share of this "
+                       "machine's measured matmul rate, and ratios to a baseline. Writes results.json, "
+                       "summary.md and plots to --out.")
+    p.add_argument("--quick", dest="suite", action="store_const", const="quick",
+                   help="a small suite that finishes in under two minutes")
+    p.add_argument("--suite", choices=["quick", "full", "custom"], default="full",
+                   help="full (default), quick, or custom (a grid of the lists below)")
+    p.add_argument("--contenders", type=_csv(str), help="comma-separated contenders (filter, or grid for custom)")
+    p.add_argument("--modes", type=_csv(str), help="inference, training, decode")
+    p.add_argument("--batch", type=_csv(int), help="batch sizes, e.g. 1,8")
+    p.add_argument("--seq-lens", type=_csv(int), help="sequence lengths (context lengths for decode)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per case (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--baseline", default="attnkit", help="layer contender the ratios divide by (default attnkit)")
+    p.add_argument("--max-memory-gib", type=float, default=8.0,
+                   help="skip cases whose (T, T) scores would need more (default 8)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+    p.add_argument("--out", default="bench-out", help="folder for results.json, summary.md and plots")
+    p.set_defaults(func=_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnkit", description="Attention for transformer "
                                      "language models: see inside it, and measure it.")
     sub = parser.add_subparsers(dest="command", required=True)
     _explain_parser(sub)
+    _bench_parser(sub)
     return parser
 
 

@@ -99,3 +99,19 @@ def test_gradients_reach_the_current_calls_keys_and_values():
         layer(x[:, :4], kv_cache=cache)
     (cached_grad,) = torch.autograd.grad(layer(tail, kv_cache=cache).sum(), tail)
     torch.testing.assert_close(cached_grad, full_grad)
+
+
+def test_crop_rewinds_to_an_earlier_position():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 8, 2, rope=True).double().eval()
+    x = torch.randn(1, 6, 8, dtype=torch.float64)
+    cache = KVCache()
+    layer(x[:, :4], kv_cache=cache)
+    first = layer(x[:, 4:5], kv_cache=cache)
+    layer(torch.randn(1, 1, 8, dtype=torch.float64), kv_cache=cache)  # a token to take back
+    cache.crop(5)
+    torch.testing.assert_close(layer(x[:, 5:6], kv_cache=cache), layer(x)[:, 5:6])
+    cache.crop(4)
+    torch.testing.assert_close(layer(x[:, 4:5], kv_cache=cache), first)
+    with pytest.raises(ValueError, match=r"crop length must be an int in \[0, 5\], got 9"):
+        cache.crop(9)

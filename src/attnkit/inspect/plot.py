@@ -22,7 +22,7 @@ from attnkit._optional import require
 FEATURE = "attnkit's heatmaps"
 
 
-def _figure(width: float, height: float) -> Any:
+def new_figure(width: float, height: float) -> Any:
     """A Figure attached to an Agg canvas (so savefig works without pyplot)."""
     figure = require("matplotlib.figure", FEATURE).Figure(figsize=(width, height), layout="constrained")
     require("matplotlib.backends.backend_agg", FEATURE).FigureCanvasAgg(figure)
@@ -56,7 +56,7 @@ def plot_heads(weights: Tensor, tokens: Sequence[str], key_tokens: Sequence[str]
     cols = min(columns, heads)
     rows = -(-heads // cols)
     cell = max(2.2, 0.28 * max(t, s))
-    fig = _figure(cell * cols + 1.2, cell * rows + (0.5 if title else 0))
+    fig = new_figure(cell * cols + 1.2, cell * rows + (0.5 if title else 0))
     axes = fig.subplots(rows, cols, squeeze=False)
     image = None
     for h, ax in enumerate(axes.flat):
@@ -82,7 +82,7 @@ def plot_model_view(weights: Tensor, tokens: Sequence[str], *, title: str | None
     names = list(layer_names) if layer_names is not None else [f"layer {i}" for i in range(layers)]
     if len(names) != layers:
         raise ValueError(f"{len(names)} layer names for {layers} layers")
-    fig = _figure(1.1 * heads + 1.5, 1.1 * layers + (0.6 if title else 0.3))
+    fig = new_figure(1.1 * heads + 1.5, 1.1 * layers + (0.6 if title else 0.3))
     axes = fig.subplots(layers, heads, squeeze=False)
     image = None
     for (layer, head), ax in zip(((i, j) for i in range(layers) for j in range(heads)), axes.flat, strict=True):

@@ -28,8 +28,9 @@ class KVCache:
 
     ``len(cache)`` is the number of positions held; ``cache.keys`` and
     ``cache.values`` are views of them. ``reset()`` empties it for a new
-    sequence (same batch size or a new one). Held keys and values are
-    constants: gradients reach only those of the current call.
+    sequence (same batch size or a new one); ``crop(n)`` rewinds it to its
+    first n positions. Held keys and values are constants: gradients reach
+    only those of the current call.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -61,6 +62,12 @@ class KVCache:
         """Forget every position (keeps no storage)."""
         self._k = self._v = None
         self._length = 0
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` positions (to rewind, e.g. after a rejected draft)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
+            raise ValueError(f"crop length must be an int in [0, {self._length}], got {length!r}")
+        self._length = length
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:

@@ -1,0 +1,201 @@
+"""The attention implementations the benchmark compares, all with the same weights.
+
+Every layer contender is built from one reference :class:`attnkit.MultiHeadAttention`
+(causal, d_model C, H heads, biases on), copying its weights into each
+layout, so that wherever layouts allow they compute the same function (the
+tests check it). Core contenders take q, k, v (B, H, T, D) and time the
+attention kernel alone.
+
+A built contender is a function of the input: x (B, T, C) for layers,
+(q, k, v) for cores.
+
+Legend: B batch, T tokens, C model width, H heads, D = C / H.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnkit import attention
+from attnkit import textbook as tb
+from attnkit.modules import MultiHeadAttention
+
+Run = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    label: str
+    build: Callable[[MultiHeadAttention, int], Run]  # (reference layer, T) -> run
+    kind: str = "layer"  # "layer": run(x); "core": run(q, k, v)
+    materializes: bool = False  # holds (B, H, T, T) scores: memory grows with T^2
+    requires: str | None = None  # optional package needed
+
+
+def _copy(reference: MultiHeadAttention, backend: str) -> Run:
+    layer = MultiHeadAttention(reference.d_in, reference.d_out, reference.num_heads, qkv_bias=True,
+                               backend=backend).to(reference.out_proj.weight)
+    layer.load_state_dict(reference.state_dict())
+    return layer.train(reference.training)
+
+
+def _raw_sdpa(reference: MultiHeadAttention, seq_len: int) -> Run:
+    """Fused QKV + F.scaled_dot_product_attention(is_causal=True): the floor for module overhead."""
+    assert reference.qkv_proj is not None
+    w, b = reference.qkv_proj.weight, reference.qkv_proj.bias
+    wo, bo = reference.out_proj.weight, reference.out_proj.bias
+    h, d = reference.num_heads, reference.head_dim
+
+    def run(x: Tensor) -> Tensor:
+        bsz, t, c = x.shape
+        qkv = F.linear(x, w, b).view(bsz, t, 3, h, d).permute(2, 0, 3, 1, 4)  # -> (3, B, H, T, D)
+        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (B, H, T, D)
+        return F.linear(out.transpose(1, 2).reshape(bsz, t, c), wo, bo)  # (B, H, T, D) -> (B, T, C)
+
+    return run
+
+
+def _torch_mha(style: str) -> Callable[[MultiHeadAttention, int], Run]:
+    """nn.MultiheadAttention as its users call it: a float causal mask, a bool mask + is_causal, or weights."""
+
+    def build(reference: MultiHeadAttention, seq_len: int) -> Run:
+        m = reference.to_torch()
+        weight = reference.out_proj.weight
+        blocked = torch.ones(seq_len, seq_len, dtype=torch.bool, device=weight.device).triu(1)
+        float_mask = torch.zeros(seq_len, seq_len, dtype=weight.dtype, device=weight.device)
+        float_mask = float_mask.masked_fill(blocked, -torch.inf)
+        if style == "is_causal":
+            return lambda x: m(x, x, x, attn_mask=blocked, is_causal=True, need_weights=False)[0]
+        need_weights = style == "weights"
+        return lambda x: m(x, x, x, attn_mask=float_mask, need_weights=need_weights)[0]
+
+    return build
+
+
+def _textbook_mha(module: Callable[..., nn.Module]) -> Callable[[MultiHeadAttention, int], Run]:
+    def build(reference: MultiHeadAttention, seq_len: int) -> Run:
+        c, h = reference.d_out, reference.num_heads
+        m: Any = module(c, c, seq_len, 0.0, h, qkv_bias=True).to(reference.out_proj.weight)
+        assert reference.qkv_proj is not None
+        with torch.no_grad():
+            for i, name in enumerate(("W_query", "W_key", "W_value")):
+                getattr(m, name).weight.copy_(reference.qkv_proj.weight[i * c : (i + 1) * c])
+                getattr(m, name).bias.copy_(reference.qkv_proj.bias[i * c : (i + 1) * c])
+            m.out_proj.load_state_dict(reference.out_proj.state_dict())
+        return m.train(reference.training)
+
+    return build
+
+
+def _textbook_wrapper(module: Callable[..., nn.Module]) -> Callable[[MultiHeadAttention, int], Run]:
+    """Per-head CausalAttention modules (the reference's head slices); the wrapper has no out_proj."""
+
+    def build(reference: MultiHeadAttention, seq_len: int) -> Run:
+        c, h, d = reference.d_out, reference.num_heads, reference.head_dim
+        m: Any = module(c, d, seq_len, 0.0, h, qkv_bias=True).to(reference.out_proj.weight)
+        assert reference.qkv_proj is not None
+        with torch.no_grad():
+            for i, name in enumerate(("W_query", "W_key", "W_value")):
+                rows = reference.qkv_proj.weight[i * c : (i + 1) * c]
+                bias = reference.qkv_proj.bias[i * c : (i + 1) * c]
+                for j, head in enumerate(m.heads):
+                    getattr(head, name).weight.copy_(rows[j * d : (j + 1) * d])
+                    getattr(head, name).bias.copy_(bias[j * d : (j + 1) * d])
+        return m.train(reference.training)
+
+    return build
+
+
+def _llms_from_scratch(name: str) -> Callable[..., nn.Module]:
+    def make(*args: Any, **kwargs: Any) -> nn.Module:
+        from llms_from_scratch import ch03
+
+        return getattr(ch03, name)(*args, **kwargs)
+
+    return make
+
+
+def _hf_gpt2(implementation: str) -> Callable[[MultiHeadAttention, int], Run]:
+    """transformers' GPT2Attention with the reference's weights (Conv1D stores them transposed).
+
+    Called alone, its eager path applies no causal mask (GPT2Model builds one):
+    it gets the additive mask the model would pass; the sdpa path uses is_causal.
+    """
+
+    def build(reference: MultiHeadAttention, seq_len: int) -> Run:
+        attn = gpt2_attention(reference, implementation)
+        weight = reference.out_proj.weight
+        mask = None
+        if implementation == "eager":
+            mask = torch.full((seq_len, seq_len), torch.finfo(weight.dtype).min, dtype=weight.dtype,
+                              device=weight.device).triu(1)[None, None]  # (1, 1, T, T)
+        return lambda x: attn(x, attention_mask=mask)[0]
+
+    return build
+
+
+def gpt2_attention(reference: MultiHeadAttention, implementation: str) -> nn.Module:
+    """A transformers GPT2Attention layer holding ``reference``'s weights."""
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    config = GPT2Config(n_embd=reference.d_out, n_head=reference.num_heads, n_positions=1 << 20,
+                        attn_pdrop=0.0, resid_pdrop=0.0)
+    config._attn_implementation = implementation
+    attn = GPT2Attention(config, layer_idx=0).to(reference.out_proj.weight)
+    assert reference.qkv_proj is not None
+    with torch.no_grad():
+        attn.c_attn.weight.copy_(reference.qkv_proj.weight.T)
+        attn.c_attn.bias.copy_(reference.qkv_proj.bias)
+        attn.c_proj.weight.copy_(reference.out_proj.weight.T)
+        attn.c_proj.bias.copy_(reference.out_proj.bias)
+    return attn.train(reference.training)
+
+
+def _core(backend: str) -> Callable[[MultiHeadAttention, int], Run]:
+    return lambda reference, seq_len: (lambda q, k, v: attention(q, k, v, causal=True, backend=backend))
+
+
+def _contenders() -> dict[str, Contender]:
+    items = [
+        Contender("attnkit", "attnkit.MultiHeadAttention, backend auto", lambda r, t: _copy(r, "auto")),
+        Contender("attnkit-sdpa", "attnkit.MultiHeadAttention, backend sdpa", lambda r, t: _copy(r, "sdpa")),
+        Contender("attnkit-chunked", "attnkit.MultiHeadAttention, backend chunked", lambda r, t: _copy(r, "chunked")),
+        Contender("attnkit-math", "attnkit.MultiHeadAttention, backend math", lambda r, t: _copy(r, "math"),
+                  materializes=True),
+        Contender("raw-sdpa", "fused QKV + F.scaled_dot_product_attention(is_causal=True)", _raw_sdpa),
+        Contender("torch-mha", "nn.MultiheadAttention, float causal mask", _torch_mha("mask"), materializes=True),
+        Contender("torch-mha-is-causal", "nn.MultiheadAttention, bool causal mask + is_causal hint",
+                  _torch_mha("is_causal"), materializes=True),
+        Contender("torch-mha-weights", "nn.MultiheadAttention, causal mask, need_weights=True",
+                  _torch_mha("weights"), materializes=True),
+        Contender("textbook-mha", "attnkit.textbook.MultiHeadAttention (weight splits)",
+                  _textbook_mha(tb.MultiHeadAttention), materializes=True),
+        Contender("textbook-wrapper", "attnkit.textbook.MultiHeadAttentionWrapper (no out_proj)",
+                  _textbook_wrapper(tb.MultiHeadAttentionWrapper), materializes=True),
+        Contender("lfs-mha", "llms_from_scratch.ch03.MultiHeadAttention",
+                  _textbook_mha(_llms_from_scratch("MultiHeadAttention")), materializes=True,
+                  requires="llms_from_scratch"),
+        Contender("lfs-wrapper", "llms_from_scratch.ch03.MultiHeadAttentionWrapper (no out_proj)",
+                  _textbook_wrapper(_llms_from_scratch("MultiHeadAttentionWrapper")), materializes=True,
+                  requires="llms_from_scratch"),
+        Contender("hf-gpt2-eager", "transformers GPT2Attention, eager", _hf_gpt2("eager"), materializes=True,
+                  requires="transformers"),
+        Contender("hf-gpt2-sdpa", "transformers GPT2Attention, sdpa", _hf_gpt2("sdpa"), requires="transformers"),
+    ]
+    items += [Contender(f"core-{b}", f"attnkit.attention(q, k, v, causal=True, backend={b!r})", _core(b),
+                        kind="core", materializes=b == "math") for b in ("auto", "sdpa", "chunked", "math")]
+    items.append(Contender("core-torch-sdpa", "F.scaled_dot_product_attention(q, k, v, is_causal=True)",
+                           lambda r, t: lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                           kind="core"))
+    return {c.name: c for c in items}
+
+
+CONTENDERS = _contenders()

@@ -1,0 +1,77 @@
+"""Decoding: the latency of one new token at a given context length.
+
+- ``decode-attnkit-cache``: attnkit layer with a :class:`~attnkit.KVCache`
+  holding the context; one step attends one new token to it;
+- ``decode-attnkit-recompute``: no cache, the whole prefix recomputed for the
+  new token (one forward of context + 1 tokens);
+- ``decode-hf-gpt2-{eager,sdpa}-cache``: transformers' GPT2Attention with
+  its own DynamicCache and the same weights.
+
+Each timed call runs :data:`STEPS` tokens (one for recompute) and rewinds the
+cache afterwards, so every call sees the same context; the result is per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from attnkit.modules import KVCache, MultiHeadAttention
+
+from .contenders import gpt2_attention
+
+STEPS = 16
+
+
+def _attnkit_cache(reference: MultiHeadAttention, context: int, x: torch.Tensor) -> Callable[[], None]:
+    cache = KVCache()
+    reference(x[:, :context], kv_cache=cache)
+    token = x[:, context : context + 1]
+
+    def step() -> None:
+        for _ in range(STEPS):
+            reference(token, kv_cache=cache)
+        cache.crop(context)
+
+    return step
+
+
+def _recompute(reference: MultiHeadAttention, context: int, x: torch.Tensor) -> Callable[[], None]:
+    prefix = x[:, : context + 1]
+    return lambda: reference(prefix)
+
+
+def _hf_cache(implementation: str) -> Callable[[MultiHeadAttention, int, torch.Tensor], Callable[[], None]]:
+    def build(reference: MultiHeadAttention, context: int, x: torch.Tensor) -> Callable[[], None]:
+        from transformers.cache_utils import DynamicCache
+
+        attn: Any = gpt2_attention(reference, "sdpa")  # prefill: the cache's keys and values are the same
+        cache = DynamicCache()  # whichever kernel computes them, and eager would hold (T, T) scores
+        attn(x[:, :context], past_key_values=cache, cache_position=torch.arange(context))
+        attn.config._attn_implementation = implementation  # the timed steps use the one named
+        token = x[:, context : context + 1]
+
+        def step() -> None:
+            for i in range(STEPS):
+                attn(token, past_key_values=cache, cache_position=torch.tensor([context + i]))
+            cache.crop(-STEPS)
+
+        return step
+
+    return build
+
+
+DECODERS: dict[str, tuple[Callable[[MultiHeadAttention, int, torch.Tensor], Callable[[], None]], int]] = {
+    "decode-attnkit-cache": (_attnkit_cache, STEPS),
+    "decode-attnkit-recompute": (_recompute, 1),
+    "decode-hf-gpt2-eager-cache": (_hf_cache("eager"), STEPS),
+    "decode-hf-gpt2-sdpa-cache": (_hf_cache("sdpa"), STEPS),
+}
+LABELS = {
+    "decode-attnkit-cache": "attnkit layer + KVCache, one token",
+    "decode-attnkit-recompute": "attnkit layer, whole prefix recomputed",
+    "decode-hf-gpt2-eager-cache": "transformers GPT2Attention (eager) + DynamicCache",
+    "decode-hf-gpt2-sdpa-cache": "transformers GPT2Attention (sdpa) + DynamicCache",
+}

@@ -1,0 +1,217 @@
+"""Reporting benchmark results: a table, JSON, markdown, plots, and the targets of issue 5.
+
+Ratios compare rows of one run only (same mode, batch and length): the
+machines are shared and noisy, so absolute times from different runs are not
+compared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from attnkit._optional import require
+
+Row = dict[str, Any]
+
+
+def _key(row: Row) -> tuple[str, str, int, int]:
+    return (row["contender"], row["mode"], row["batch"], row["seq_len"])
+
+
+def baseline_for(contender: str, layer_baseline: str) -> str:
+    if contender.startswith("core-"):
+        return "core-auto"
+    if contender.startswith("decode-"):
+        return "decode-attnkit-cache"
+    return layer_baseline
+
+
+def with_ratios(rows: Sequence[Row], layer_baseline: str = "attnkit") -> list[Row]:
+    """Each row with ``vs_baseline``: its median time / its baseline's, in the same mode, batch and length."""
+    by_key = {_key(r): r for r in rows if r["median_ms"] is not None}
+    out = []
+    for row in rows:
+        base_name = baseline_for(row["contender"], layer_baseline)
+        base = by_key.get((base_name, row["mode"], row["batch"], row["seq_len"]))
+        ratio = row["median_ms"] / base["median_ms"] if base and row["median_ms"] is not None else None
+        out.append({**row, "baseline": base_name, "vs_baseline": ratio})
+    return out
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    goal: str
+    measured: str
+    passed: bool
+
+
+def _ratio_targets(by: dict[tuple[str, str, int, int], Row]) -> list[Target]:
+    out = []
+    for (name, mode, b, t), row in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3])):
+        if name != "attnkit" or t < 1024 or mode not in ("inference", "training"):
+            continue
+
+        def other(contender: str, r: Row = row) -> float | None:
+            o = by.get((contender, r["mode"], r["batch"], r["seq_len"]))
+            return None if o is None else o["median_ms"] / r["median_ms"]
+
+        checks = [("raw-sdpa", "within 5% of raw fused QKV + SDPA", lambda x: 1 / x <= 1.05)]
+        if mode == "inference":
+            checks += [(m, f">= 3x faster than {m}", lambda x: x >= 3) for m in ("torch-mha", "torch-mha-is-causal")]
+        else:
+            checks += [("torch-mha-is-causal", "no slower than torch-mha-is-causal", lambda x: x >= 1.0)]
+        for rival, goal, ok in checks:
+            speedup = other(rival)
+            if speedup is not None:
+                out.append(Target(f"{mode} B={b} T={t}: attnkit vs {rival}", goal,
+                                  f"attnkit {speedup:.2f}x as fast", ok(speedup)))
+    return out
+
+
+def _memory_targets(rows: Sequence[Row]) -> list[Target]:
+    out = []
+    for name in ("attnkit", "attnkit-chunked"):
+        points = sorted((r["seq_len"], r["peak_mib"]) for r in rows if r["contender"] == name
+                        and r["mode"] == "training" and r["batch"] == 1 and r["peak_mib"] and r["seq_len"] >= 1024)
+        if len(points) >= 2:
+            (t0, m0), (t1, m1) = points[0], points[-1]
+            slope = math.log(m1 / m0) / math.log(t1 / t0)
+            out.append(Target(f"training B=1: {name} peak memory growth in T ({t0}..{t1})",
+                              "linear in T (log-log slope <= 1.15)", f"slope {slope:.2f}", slope <= 1.15))
+        at_16k = [m for t, m in points if t == 16384]
+        if at_16k:
+            out.append(Target(f"training B=1 T=16384: {name} peak extra memory", "< 1 GiB",
+                              f"{at_16k[0]:.0f} MiB", at_16k[0] < 1024))
+    return out
+
+
+def _core_and_decode_targets(by: dict[tuple[str, str, int, int], Row], matmul: float) -> list[Target]:
+    out = []
+    for (name, mode, b, t), row in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][3])):
+        sdpa = by.get(("core-sdpa", mode, b, t))
+        if name == "core-chunked" and sdpa is not None:
+            limit = 1.5 if mode == "inference" else 2.0
+            ratio = row["median_ms"] / sdpa["median_ms"]
+            out.append(Target(f"{mode} B={b} T={t}: chunked vs SDPA (attention core)", f"<= {limit}x SDPA's time",
+                              f"{ratio:.2f}x", ratio <= limit))
+        if name == "core-auto" and mode == "inference" and t == 4096 and row.get("gflops"):
+            share = row["gflops"] / matmul
+            out.append(Target(f"inference B={b} T=4096: default attention core", ">= 70% of the matmul rate",
+                              f"{row['gflops']:.0f} GFLOP/s = {share:.0%} of {matmul:.0f}", share >= 0.70))
+        if name == "decode-attnkit-cache" and t == 4096:
+            recompute = by.get(("decode-attnkit-recompute", mode, b, t))
+            if recompute is not None:
+                speedup = recompute["median_ms"] / row["median_ms"]
+                out.append(Target("decode at 4096: KVCache step vs recomputing the prefix", ">= 50x faster",
+                                  f"{speedup:.0f}x", speedup >= 50))
+            for hf in ("decode-hf-gpt2-eager-cache", "decode-hf-gpt2-sdpa-cache"):
+                other = by.get((hf, mode, b, t))
+                if other is not None:
+                    speedup = other["median_ms"] / row["median_ms"]
+                    out.append(Target(f"decode at 4096: KVCache step vs {hf}", "no slower",
+                                      f"attnkit {speedup:.2f}x as fast", speedup >= 1.0))
+    return out
+
+
+def targets(rows: Sequence[Row], matmul: float) -> list[Target]:
+    """The issue's targets that these rows can decide, each with its measured value."""
+    by = {_key(r): r for r in rows if r["median_ms"] is not None}
+    return _ratio_targets(by) + _memory_targets(rows) + _core_and_decode_targets(by, matmul)
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table_rows(rows: Sequence[Row], matmul: float) -> list[list[str]]:
+    out = []
+    for r in rows:
+        if r["status"] != "ok":
+            out.append([r["contender"], str(r["seq_len"]), r["status"], r["reason"][:70], "", "", "", ""])
+            continue
+        share = None if r["gflops"] is None else 100 * r["gflops"] / matmul
+        spread = f"{r['min_ms']:.2f}-{r['max_ms']:.2f}"
+        out.append([r["contender"], str(r["seq_len"]), _fmt(r["median_ms"], 2), spread, _fmt(r["peak_mib"], 0),
+                    _fmt(r["gflops"], 0), _fmt(share, 0), _fmt(r["vs_baseline"], 2)])
+    return out
+
+
+HEADERS = ["contender", "T", "median ms", "min-max ms", "peak MiB", "GFLOP/s", "% matmul", "x baseline"]
+
+
+def groups(rows: Sequence[Row]) -> list[tuple[str, list[Row]]]:
+    """Rows by mode and batch size, in order of appearance: one table each."""
+    out: dict[str, list[Row]] = {}
+    for r in rows:
+        out.setdefault(f"{r['mode']}, B={r['batch']}", []).append(r)
+    return list(out.items())
+
+
+def print_report(console: Any, rows: Sequence[Row], found: Sequence[Target], env: dict[str, Any],
+                 matmul: float) -> None:
+    rich_table = require("rich.table", "attnkit bench")
+    rich_box = require("rich.box", "attnkit bench")
+    console.print(", ".join(f"{k}: {v}" for k, v in env.items()) + f"; matmul {matmul:.0f} GFLOP/s")
+    console.print("times per call (decode: per token); x baseline = time / baseline's time "
+                  "(attnkit, core-auto or decode-attnkit-cache) in the same table and T")
+    for title, members in groups(rows):
+        table = rich_table.Table(*HEADERS, title=title, box=rich_box.SIMPLE_HEAD, title_justify="left")
+        for row in table_rows(members, matmul):
+            table.add_row(*row)
+        console.print(table)
+    if found:
+        targets_table = rich_table.Table("target", "goal", "measured", "met", title="targets")
+        for t in found:
+            targets_table.add_row(t.name, t.goal, t.measured, "yes" if t.passed else "NO")
+        console.print(targets_table)
+
+
+def markdown(rows: Sequence[Row], found: Sequence[Target], env: dict[str, Any], matmul: float) -> str:
+    lines = ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + f"; matmul {matmul:.0f} GFLOP/s"]
+    for title, members in groups(rows):
+        lines += ["", f"**{title}**", "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(members, matmul)]
+    if found:
+        lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
+        lines += [f"| {t.name} | {t.goal} | {t.measured} | {'yes' if t.passed else '**no**'} |" for t in found]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: Path, rows: Sequence[Row], found: Sequence[Target], env: dict[str, Any], matmul: float) -> None:
+    document = {"environment": env, "matmul_gflops": matmul, "results": list(rows),
+                "targets": [asdict(t) for t in found]}
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
+    """Time and peak memory against T (log scales), per mode, for batch 1 layer contenders."""
+    from attnkit.inspect.plot import new_figure
+
+    written = []
+    for metric, label, name in (("median_ms", "ms per call", "time.png"), ("peak_mib", "peak extra MiB", "memory.png")):
+        fig = new_figure(11, 4.2)
+        axes = fig.subplots(1, 2, squeeze=False)[0]
+        for ax, mode in zip(axes, ("inference", "training"), strict=True):
+            series: dict[str, list[tuple[int, float]]] = {}
+            for r in rows:
+                if r["mode"] == mode and r["batch"] == 1 and r.get(metric) and not r["contender"].startswith("core-"):
+                    series.setdefault(r["contender"], []).append((r["seq_len"], r[metric]))
+            lines = 0
+            for contender, points in sorted(series.items()):
+                if len(points) > 1:
+                    xs, ys = zip(*sorted(points), strict=True)
+                    ax.plot(xs, ys, marker="o", label=contender)
+                    lines += 1
+            ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel=label, title=f"{mode}, B=1")
+            ax.grid(True, which="both", alpha=0.3)
+            if lines:
+                ax.legend(fontsize=7)
+        fig.savefig(out_dir / name, dpi=110)
+        written.append(out_dir / name)
+    return written
