@@ -212,7 +212,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--out", default="bench-out", help="folder for results.json, summary.md and plots")
-    p.set_defaults(func=_bench)
+    p.set_defaults(func=_bench, suite="full")  # --quick and --suite share one destination
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -74,6 +74,13 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path, capsys):
     assert (tmp_path / "time.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_suite_selection():
+    parser = cli.build_parser()
+    assert parser.parse_args(["bench"]).suite == "full"
+    assert parser.parse_args(["bench", "--quick"]).suite == "quick"
+    assert cli._bench_cases(parser.parse_args(["bench", "--quick"])) == cases.quick()
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--contenders", "fast"], "unknown contender(s) fast"),
     (["--modes", "eval"], "unknown mode(s) eval"),
