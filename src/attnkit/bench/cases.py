@@ -72,4 +72,14 @@ def full() -> list[Case]:
     return list(dict.fromkeys(cases))  # without repeats, in order
 
 
-SUITES = {"quick": quick, "full": full}
+def targets() -> list[Case]:
+    """Only the cases the issue's targets are judged on: run it with more repeats (see BENCHMARKS.md)."""
+    cases = grid(["attnkit", "raw-sdpa", "torch-mha", "torch-mha-is-causal"], ["inference"], [1, 8], [1024, 4096])
+    cases += grid(["attnkit", "raw-sdpa", "torch-mha-is-causal"], ["training"], [1, 8], [1024, 4096])
+    cases += grid(["attnkit", "attnkit-chunked"], ["training"], [1], [1024, 4096, 16384])
+    cases += grid(["core-auto", "core-sdpa", "core-chunked"], ["inference", "training"], [1], [1024, 4096, 16384])
+    cases += grid(DECODERS, ["decode"], [1], [4096])
+    return list(dict.fromkeys(cases))
+
+
+SUITES = {"quick": quick, "full": full, "targets": targets}

@@ -157,7 +157,7 @@ def print_report(console: Any, rows: Sequence[Row], found: Sequence[Target], env
                  matmul: float) -> None:
     rich_table = require("rich.table", "attnkit bench")
     rich_box = require("rich.box", "attnkit bench")
-    console.print(", ".join(f"{k}: {v}" for k, v in env.items()) + f"; matmul {matmul:.0f} GFLOP/s")
+    console.print(", ".join(f"{k}: {v}" for k, v in env.items()) + f"; matmul (best sample) {matmul:.0f} GFLOP/s")
     console.print("times per call (decode: per token); x baseline = time / baseline's time "
                   "(attnkit, core-auto or decode-attnkit-cache) in the same table and T")
     for title, members in groups(rows):
@@ -173,7 +173,8 @@ def print_report(console: Any, rows: Sequence[Row], found: Sequence[Target], env
 
 
 def markdown(rows: Sequence[Row], found: Sequence[Target], env: dict[str, Any], matmul: float) -> str:
-    lines = ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + f"; matmul {matmul:.0f} GFLOP/s"]
+    lines = ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())
+             + f"; matmul (best sample) {matmul:.0f} GFLOP/s"]
     for title, members in groups(rows):
         lines += ["", f"**{title}**", "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
         lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(members, matmul)]
