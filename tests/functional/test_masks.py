@@ -6,7 +6,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit.functional import block_visibility, causal_mask, combine_masks, key_padding_to_mask, visible_band
+from attnkit.functional import (
+    block_has_empty_rows,
+    block_visibility,
+    causal_mask,
+    combine_masks,
+    key_padding_to_mask,
+    visible_band,
+)
 
 
 def test_causal_mask_bottom_right_and_square():
@@ -35,6 +42,17 @@ def test_block_visibility_is_exact(t, s, r0, c0, h, w, causal, window):
         assert verdict == "all"
     else:
         assert verdict == ("none" if not band.any() else "all" if band.all() else "some")
+
+
+@given(t=st.integers(1, 40), s=st.integers(1, 40), r0=st.integers(0, 39), c0=st.integers(0, 39),
+       h=st.integers(1, 12), w=st.integers(1, 12), causal=st.booleans(), window=st.one_of(st.none(), st.integers(1, 9)))
+@settings(max_examples=200, deadline=None)
+def test_block_has_empty_rows_is_exact(t, s, r0, c0, h, w, causal, window):
+    """Kernels skip the empty-row guard when this says no row is empty: it must never miss one."""
+    rows, cols = range(min(r0, t - 1), min(r0 + h, t)), range(min(c0, s - 1), min(c0 + w, s))
+    band = visible_band(rows, cols, offset=s - t, causal=causal, window=window)
+    expected = band is not None and bool((~band.any(dim=-1)).any())
+    assert block_has_empty_rows(rows, cols, offset=s - t, causal=causal, window=window) == expected
 
 
 def test_combine_masks():

@@ -1,11 +1,19 @@
 """Stateless pieces of attention: masks, rotary embedding, grouped-query heads."""
 
 from .gqa import expand_kv
-from .masks import block_visibility, causal_mask, combine_masks, key_padding_to_mask, visible_band
+from .masks import (
+    block_has_empty_rows,
+    block_visibility,
+    causal_mask,
+    combine_masks,
+    key_padding_to_mask,
+    visible_band,
+)
 from .rope import RotaryEmbedding, rotate_half
 
 __all__ = [
     "RotaryEmbedding",
+    "block_has_empty_rows",
     "block_visibility",
     "causal_mask",
     "combine_masks",

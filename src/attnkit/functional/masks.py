@@ -64,6 +64,19 @@ def block_visibility(rows: range, cols: range, *, offset: int, causal: bool, win
     return "some"
 
 
+def block_has_empty_rows(rows: range, cols: range, *, offset: int, causal: bool, window: int | None) -> bool:
+    """Whether some query row of the block sees no key column under the causal/window band.
+
+    Row i sees columns (i + offset - window, i + offset]: the first row is the
+    one that can fall before the block, the last row the one a window can
+    leave behind it.
+    """
+    first_i, last_i = rows.start + offset, rows.stop - 1 + offset
+    if causal and first_i < cols.start:
+        return True
+    return window is not None and last_i - window + 1 > cols.stop - 1
+
+
 def key_padding_to_mask(key_mask: Tensor) -> Tensor:
     """A (B, S) key mask, True = real token, as a mask broadcastable to (B, H, T, S)."""
     return key_mask[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
