@@ -125,13 +125,14 @@ def _merge_weights(lse: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _visible_blocks(plan: _Plan, rows: range, num_keys: int, masked: bool) -> list[tuple[range, str, bool]]:
     """(cols, visibility, whether some row may see nothing) of each key block not wholly hidden."""
-    band = dict(offset=plan.offset, causal=plan.causal, window=plan.window)
     out = []
     for cols in plan.blocks(num_keys, plan.block_k):
-        visibility = block_visibility(rows, cols, **band)
-        if visibility != "none":
-            empty = masked or (visibility == "some" and block_has_empty_rows(rows, cols, **band))
-            out.append((cols, visibility, empty))
+        visibility = block_visibility(rows, cols, offset=plan.offset, causal=plan.causal, window=plan.window)
+        if visibility == "none":
+            continue
+        empty = masked or (visibility == "some" and block_has_empty_rows(
+            rows, cols, offset=plan.offset, causal=plan.causal, window=plan.window))
+        out.append((cols, visibility, empty))
     return out
 
 
