@@ -16,6 +16,8 @@ from typing import Any
 
 from attnkit._optional import require
 
+from .cases import EVERY_LAYER
+
 Row = dict[str, Any]
 
 
@@ -190,6 +192,20 @@ def write_json(path: Path, rows: Sequence[Row], found: Sequence[Target], env: di
     path.write_text(json.dumps(document, indent=1) + "\n")
 
 
+_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+            "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#7b4173"]
+_MARKERS = "os^vDP*Xh<>pd8"
+
+
+def _style(contender: str) -> dict[str, Any]:
+    """A colour and marker fixed per contender (the same in every plot); attnkit's default drawn heavier."""
+    i = EVERY_LAYER.index(contender) if contender in EVERY_LAYER else len(EVERY_LAYER)
+    if contender == "attnkit":
+        return {"color": "black", "marker": "o", "linewidth": 2.5, "markersize": 5, "zorder": 3}
+    return {"color": _PALETTE[i % len(_PALETTE)], "marker": _MARKERS[i % len(_MARKERS)], "linewidth": 1.2,
+            "markersize": 4, "zorder": 2}
+
+
 def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
     """Time and peak memory against T (log scales), per mode, for batch 1 layer contenders."""
     from attnkit.inspect.plot import new_figure
@@ -207,7 +223,7 @@ def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
             for contender, points in sorted(series.items()):
                 if len(points) > 1:
                     xs, ys = zip(*sorted(points), strict=True)
-                    ax.plot(xs, ys, marker="o", label=contender)
+                    ax.plot(xs, ys, label=contender, **_style(contender))
                     lines += 1
             ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel=label, title=f"{mode}, B=1")
             ax.grid(True, which="both", alpha=0.3)
