@@ -35,7 +35,7 @@ class Contender:
     label: str
     build: Callable[[MultiHeadAttention, int], Run]  # (reference layer, T) -> run
     kind: str = "layer"  # "layer": run(x); "core": run(q, k, v)
-    materializes: bool = False  # holds (B, H, T, T) scores: memory grows with T^2
+    materializes: tuple[str, ...] = ()  # modes in which it holds (B, H, T, T) scores: memory grows with T^2
     requires: str | None = None  # optional package needed
 
 
@@ -163,35 +163,39 @@ def _core(backend: str) -> Callable[[MultiHeadAttention, int], Run]:
     return lambda reference, seq_len: (lambda q, k, v: attention(q, k, v, causal=True, backend=backend))
 
 
+BOTH = ("inference", "training")
+
+
 def _contenders() -> dict[str, Contender]:
     items = [
         Contender("attnkit", "attnkit.MultiHeadAttention, backend auto", lambda r, t: _copy(r, "auto")),
         Contender("attnkit-sdpa", "attnkit.MultiHeadAttention, backend sdpa", lambda r, t: _copy(r, "sdpa")),
         Contender("attnkit-chunked", "attnkit.MultiHeadAttention, backend chunked", lambda r, t: _copy(r, "chunked")),
         Contender("attnkit-math", "attnkit.MultiHeadAttention, backend math", lambda r, t: _copy(r, "math"),
-                  materializes=True),
+                  materializes=BOTH),
         Contender("raw-sdpa", "fused QKV + F.scaled_dot_product_attention(is_causal=True)", _raw_sdpa),
-        Contender("torch-mha", "nn.MultiheadAttention, float causal mask", _torch_mha("mask"), materializes=True),
+        Contender("torch-mha", "nn.MultiheadAttention, float causal mask", _torch_mha("mask")),  # SDPA + (T, T) mask
         Contender("torch-mha-is-causal", "nn.MultiheadAttention, bool causal mask + is_causal hint",
-                  _torch_mha("is_causal"), materializes=True),
+                  _torch_mha("is_causal"), materializes=("inference",)),  # fast path; SDPA in training
         Contender("torch-mha-weights", "nn.MultiheadAttention, causal mask, need_weights=True",
-                  _torch_mha("weights"), materializes=True),
+                  _torch_mha("weights"), materializes=BOTH),
         Contender("textbook-mha", "attnkit.textbook.MultiHeadAttention (weight splits)",
-                  _textbook_mha(tb.MultiHeadAttention), materializes=True),
+                  _textbook_mha(tb.MultiHeadAttention), materializes=BOTH),
         Contender("textbook-wrapper", "attnkit.textbook.MultiHeadAttentionWrapper (no out_proj)",
-                  _textbook_wrapper(tb.MultiHeadAttentionWrapper), materializes=True),
+                  _textbook_wrapper(tb.MultiHeadAttentionWrapper), materializes=BOTH),
         Contender("lfs-mha", "llms_from_scratch.ch03.MultiHeadAttention",
-                  _textbook_mha(_llms_from_scratch("MultiHeadAttention")), materializes=True,
+                  _textbook_mha(_llms_from_scratch("MultiHeadAttention")), materializes=BOTH,
                   requires="llms_from_scratch"),
         Contender("lfs-wrapper", "llms_from_scratch.ch03.MultiHeadAttentionWrapper (no out_proj)",
-                  _textbook_wrapper(_llms_from_scratch("MultiHeadAttentionWrapper")), materializes=True,
+                  _textbook_wrapper(_llms_from_scratch("MultiHeadAttentionWrapper")), materializes=BOTH,
                   requires="llms_from_scratch"),
-        Contender("hf-gpt2-eager", "transformers GPT2Attention, eager", _hf_gpt2("eager"), materializes=True,
+        Contender("hf-gpt2-eager", "transformers GPT2Attention, eager", _hf_gpt2("eager"), materializes=BOTH,
                   requires="transformers"),
         Contender("hf-gpt2-sdpa", "transformers GPT2Attention, sdpa", _hf_gpt2("sdpa"), requires="transformers"),
     ]
     items += [Contender(f"core-{b}", f"attnkit.attention(q, k, v, causal=True, backend={b!r})", _core(b),
-                        kind="core", materializes=b == "math") for b in ("auto", "sdpa", "chunked", "math")]
+                        kind="core", materializes=BOTH if b == "math" else ())
+              for b in ("auto", "sdpa", "chunked", "math")]
     items.append(Contender("core-torch-sdpa", "F.scaled_dot_product_attention(q, k, v, is_causal=True)",
                            lambda r, t: lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                            kind="core"))

@@ -82,7 +82,7 @@ def flops(case: Case) -> float | None:
 def estimated_bytes(case: Case) -> float:
     """A rough peak for contenders that hold (B, H, T, T) scores: three copies forward, six for training."""
     contender = CONTENDERS.get(case.contender)
-    if contender is None or not contender.materializes:
+    if contender is None or case.mode not in contender.materializes:
         return 0.0
     itemsize = torch.tensor([], dtype=getattr(torch, case.dtype)).element_size()
     copies = 6 if case.mode == "training" else 3
