@@ -23,6 +23,20 @@ def test_flops_and_estimates():
     assert runner.estimated_bytes(Case("attnkit", "training", 8, 4096)) == 0
 
 
+def test_estimates_follow_the_mode_that_materialises():
+    """nn.MultiheadAttention holds (T, T) scores only on its is_causal fast path in inference."""
+    assert runner.estimated_bytes(Case("torch-mha-is-causal", "inference", 1, 4096)) == 3 * 12 * 4096**2 * 4
+    assert runner.estimated_bytes(Case("torch-mha-is-causal", "training", 1, 4096)) == 0
+    assert runner.estimated_bytes(Case("torch-mha", "inference", 1, 4096)) == 0  # float mask: SDPA's flash kernel
+    assert runner.estimated_bytes(Case("torch-mha-weights", "training", 1, 4096)) == 6 * 12 * 4096**2 * 4
+
+
+def test_plot_styles_tell_every_contender_apart():
+    styles = [report._style(name) for name in cases.EVERY_LAYER]
+    assert len({(s["color"], s["marker"]) for s in styles}) == len(cases.EVERY_LAYER)
+    assert len({s["color"] for s in styles}) == len(cases.EVERY_LAYER)
+
+
 def test_suites_are_well_formed():
     for build in cases.SUITES.values():
         suite = build()
@@ -70,6 +84,8 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path, capsys):
     assert {r["contender"] for r in doc["results"]} == {"attnkit", "raw-sdpa", "core-chunked"}
     assert all(r["status"] == "ok" and len(r["times_ms"]) == 2 for r in doc["results"])
     assert doc["environment"]["torch"] and doc["matmul_gflops"] > 0
+    samples = doc["environment"]["matmul_samples_gflops"]  # one per group (two lengths), the best one used
+    assert len(samples) == 2 and round(doc["matmul_gflops"]) == max(samples)
     assert "| contender |" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "time.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -79,6 +95,16 @@ def test_suite_selection():
     assert parser.parse_args(["bench"]).suite == "full"
     assert parser.parse_args(["bench", "--quick"]).suite == "quick"
     assert cli._bench_cases(parser.parse_args(["bench", "--quick"])) == cases.quick()
+    assert cli._bench_cases(parser.parse_args(["bench", "--suite", "targets"])) == cases.targets()
+
+
+def test_targets_suite_holds_every_pairing_the_targets_compare():
+    suite = set(cases.targets())
+    for mode, batch, t in [("inference", 1, 1024), ("inference", 8, 4096), ("training", 8, 1024)]:
+        assert {Case("attnkit", mode, batch, t), Case("raw-sdpa", mode, batch, t)} <= suite
+    assert {Case("core-auto", "inference", 1, 4096), Case("core-chunked", "training", 1, 16384)} <= suite
+    assert {Case("decode-attnkit-cache", "decode", 1, 4096), Case("decode-attnkit-recompute", "decode", 1, 4096),
+            Case("decode-hf-gpt2-sdpa-cache", "decode", 1, 4096)} <= suite
 
 
 @pytest.mark.parametrize(("args", "message"), [

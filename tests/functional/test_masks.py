@@ -30,29 +30,38 @@ def test_window_keeps_the_w_most_recent_keys_including_itself():
     assert torch.equal(mask, expected)
 
 
-@given(t=st.integers(1, 40), s=st.integers(1, 40), r0=st.integers(0, 39), c0=st.integers(0, 39),
-       h=st.integers(1, 12), w=st.integers(1, 12), causal=st.booleans(), window=st.one_of(st.none(), st.integers(1, 9)))
-@settings(max_examples=200, deadline=None)
-def test_block_visibility_is_exact(t, s, r0, c0, h, w, causal, window):
-    """"none" lets kernels skip a block and "all" lets them drop its mask: both must be exact."""
+@st.composite
+def blocks(draw: st.DrawFn) -> tuple[range, range, dict]:
+    """A (rows, cols) block of a T x S attention and the band's keywords (offset = S - T, causal, window)."""
+    t, s = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    r0, c0 = draw(st.integers(0, 39)), draw(st.integers(0, 39))
+    h, w = draw(st.integers(1, 12)), draw(st.integers(1, 12))
     rows, cols = range(min(r0, t - 1), min(r0 + h, t)), range(min(c0, s - 1), min(c0 + w, s))
-    band = visible_band(rows, cols, offset=s - t, causal=causal, window=window)
-    verdict = block_visibility(rows, cols, offset=s - t, causal=causal, window=window)
+    band = {"offset": s - t, "causal": draw(st.booleans()), "window": draw(st.one_of(st.none(), st.integers(1, 9)))}
+    return rows, cols, band
+
+
+@given(blocks())
+@settings(max_examples=200, deadline=None)
+def test_block_visibility_is_exact(block):
+    """"none" lets kernels skip a block and "all" lets them drop its mask: both must be exact."""
+    rows, cols, kw = block
+    band = visible_band(rows, cols, **kw)
+    verdict = block_visibility(rows, cols, **kw)
     if band is None:
         assert verdict == "all"
     else:
         assert verdict == ("none" if not band.any() else "all" if band.all() else "some")
 
 
-@given(t=st.integers(1, 40), s=st.integers(1, 40), r0=st.integers(0, 39), c0=st.integers(0, 39),
-       h=st.integers(1, 12), w=st.integers(1, 12), causal=st.booleans(), window=st.one_of(st.none(), st.integers(1, 9)))
+@given(blocks())
 @settings(max_examples=200, deadline=None)
-def test_block_has_empty_rows_is_exact(t, s, r0, c0, h, w, causal, window):
+def test_block_has_empty_rows_is_exact(block):
     """Kernels skip the empty-row guard when this says no row is empty: it must never miss one."""
-    rows, cols = range(min(r0, t - 1), min(r0 + h, t)), range(min(c0, s - 1), min(c0 + w, s))
-    band = visible_band(rows, cols, offset=s - t, causal=causal, window=window)
+    rows, cols, kw = block
+    band = visible_band(rows, cols, **kw)
     expected = band is not None and bool((~band.any(dim=-1)).any())
-    assert block_has_empty_rows(rows, cols, offset=s - t, causal=causal, window=window) == expected
+    assert block_has_empty_rows(rows, cols, **kw) == expected
 
 
 def test_combine_masks():
