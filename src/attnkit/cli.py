@@ -225,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _explain_parser(sub)
     _bench_parser(sub)
+    # Subcommands of other floors: each module's add_parser(sub) adds its own (imports kept light).
     return parser
 
 
