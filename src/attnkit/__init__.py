@@ -3,8 +3,9 @@
 - :func:`attention`: one attention function, several kernels ("math", "sdpa",
   "chunked", "auto"), one mask convention (True = may attend), bottom-right
   causal alignment, zeros (not NaN) for queries with no visible key.
-- :class:`MultiHeadAttention`: fused QKV, grouped-query heads, cross-attention,
-  padding masks, rotary embeddings, sliding windows and a :class:`KVCache`.
+- :class:`MultiHeadAttention`: fused QKV, grouped-query heads, padding masks,
+  rotary embeddings, sliding windows and a :class:`KVCache`;
+  :class:`CrossAttention` for attending to another sequence.
 - :func:`from_torch`, :func:`from_textbook`: converters.
 - :func:`trace`: every intermediate of every attention layer in a model.
 - :mod:`attnkit.textbook`: the chapter "Coding attention mechanisms" as code.
@@ -15,8 +16,11 @@
 from .backends import attention
 from .functional import RotaryEmbedding
 from .inspect import trace
-from .modules import KVCache, MultiHeadAttention, from_textbook, from_torch
+from .modules import CrossAttention, KVCache, MultiHeadAttention, from_textbook, from_torch
 
 __version__ = "0.1.0"
 
-__all__ = ["KVCache", "MultiHeadAttention", "RotaryEmbedding", "attention", "from_textbook", "from_torch", "trace"]
+__all__ = [
+    "CrossAttention", "KVCache", "MultiHeadAttention", "RotaryEmbedding", "attention", "from_textbook", "from_torch",
+    "trace",
+]

@@ -7,19 +7,32 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnkit.functional import (
+    Visibility,
     block_has_empty_rows,
     block_visibility,
-    causal_mask,
     combine_masks,
     key_padding_to_mask,
     visible_band,
 )
 
 
+def causal_mask(t: int, s: int, window: int | None = None) -> torch.Tensor:
+    """The whole (T, S) bottom-right causal band, all True where it hides nothing."""
+    band = visible_band(range(t), range(s), offset=s - t, causal=True, window=window)
+    return torch.ones(t, s, dtype=torch.bool) if band is None else band
+
+
+def reference_band(rows: range, cols: range, offset: int, causal: bool, window: int | None) -> torch.Tensor:
+    """The band, entry by entry, from its definition (independent of attnkit)."""
+    return torch.tensor([[(not causal or j <= i + offset) and (window is None or j > i + offset - window)
+                          for j in cols] for i in rows], dtype=torch.bool).reshape(len(rows), len(cols))
+
+
 def test_causal_mask_bottom_right_and_square():
     assert torch.equal(causal_mask(3, 3), torch.ones(3, 3, dtype=torch.bool).tril())
     assert torch.equal(causal_mask(2, 5), torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))
     assert torch.equal(causal_mask(1, 4), torch.ones(1, 4, dtype=torch.bool))  # decoding: sees all
+    assert visible_band(range(1), range(4), offset=3, causal=True, window=None) is None  # so no band is built
     assert not causal_mask(3, 2)[0].any()  # T > S: the first query has no key
 
 
@@ -44,14 +57,15 @@ def blocks(draw: st.DrawFn) -> tuple[range, range, dict]:
 @given(blocks())
 @settings(max_examples=200, deadline=None)
 def test_block_visibility_is_exact(block):
-    """"none" lets kernels skip a block and "all" lets them drop its mask: both must be exact."""
+    """NONE lets kernels skip a block and ALL lets them drop its mask: both must be exact."""
     rows, cols, kw = block
-    band = visible_band(rows, cols, **kw)
+    expected = reference_band(rows, cols, **kw)
     verdict = block_visibility(rows, cols, **kw)
-    if band is None:
-        assert verdict == "all"
-    else:
-        assert verdict == ("none" if not band.any() else "all" if band.all() else "some")
+    assert verdict == (Visibility.NONE if not expected.any() else Visibility.ALL if expected.all()
+                       else Visibility.SOME)
+    band = visible_band(rows, cols, **kw)
+    assert torch.equal(expected, torch.ones_like(expected) if band is None else band)
+    assert (band is None) == (verdict is Visibility.ALL)  # no band is built where it would hide nothing
 
 
 @given(blocks())
@@ -59,8 +73,7 @@ def test_block_visibility_is_exact(block):
 def test_block_has_empty_rows_is_exact(block):
     """Kernels skip the empty-row guard when this says no row is empty: it must never miss one."""
     rows, cols, kw = block
-    band = visible_band(rows, cols, **kw)
-    expected = band is not None and bool((~band.any(dim=-1)).any())
+    expected = bool((~reference_band(rows, cols, **kw).any(dim=-1)).any())
     assert block_has_empty_rows(rows, cols, **kw) == expected
 
 
@@ -69,12 +82,16 @@ def test_combine_masks():
     b = torch.tensor([True, False, True])
     assert torch.equal(combine_masks(a, b), torch.tensor([True, False, False]))
     assert combine_masks(None, b) is b and combine_masks(a, None) is a and combine_masks(None, None) is None
-    bias = torch.tensor([0.5, -1.0, 2.0])
-    torch.testing.assert_close(combine_masks(bias, a), torch.tensor([0.5, -1.0, -torch.inf]))
-    torch.testing.assert_close(combine_masks(a, bias), torch.tensor([0.5, -1.0, -torch.inf]))
-    torch.testing.assert_close(combine_masks(bias, bias), 2 * bias)
+    additive = torch.tensor([0.5, -1.0, 2.0])
+    torch.testing.assert_close(combine_masks(additive, a), torch.tensor([0.5, -1.0, -torch.inf]))
+    torch.testing.assert_close(combine_masks(a, additive), torch.tensor([0.5, -1.0, -torch.inf]))
+    torch.testing.assert_close(combine_masks(additive, additive), 2 * additive)
 
 
-def test_key_padding_to_mask_shape():
-    keys = torch.tensor([[True, False, True]])
-    assert key_padding_to_mask(keys).shape == (1, 1, 1, 3)
+def test_key_padding_to_mask_broadcasts_each_rows_keys_to_every_head_and_query():
+    keys = torch.tensor([[True, False, True], [False, True, True]])
+    mask = key_padding_to_mask(keys)
+    assert mask.shape == (2, 1, 1, 3)
+    expanded = mask.expand(2, 4, 5, 3)  # (B, H, T, S)
+    for b in range(2):
+        assert torch.equal(expanded[b], keys[b].expand(4, 5, 3))

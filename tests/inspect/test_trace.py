@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import io
 from unittest import mock
 
 import pytest
@@ -11,6 +14,7 @@ from torch import nn
 import attnkit
 from attnkit import MultiHeadAttention
 from attnkit import textbook as tb
+from attnkit.backends import BACKENDS
 from attnkit.backends.call import make_call
 from attnkit.backends.math import math_attention
 
@@ -92,12 +96,14 @@ def test_records_in_call_order_with_names_and_outer_layers_only():
 def test_traced_attnkit_layers_use_math_only_inside_the_block():
     layer = MultiHeadAttention(4, 4, 2, backend="sdpa").eval()
     x = torch.randn(1, 3, 4)
-    with mock.patch("attnkit.modules.attention.attention", wraps=attnkit.attention) as spy:
+    sdpa = BACKENDS["sdpa"]
+    spy = mock.Mock(wraps=sdpa.run)
+    with mock.patch.dict(BACKENDS, {"sdpa": dataclasses.replace(sdpa, run=spy)}):
         with attnkit.trace(layer) as t:
             layer(x)
-        assert spy.call_count == 0 and len(t) == 1  # the tracer computed it, with every step
+        assert spy.call_count == 0 and len(t) == 1  # the math backend computed it, with every step
         layer(x)
-        assert spy.call_count == 1 and spy.call_args.kwargs["backend"] == "sdpa"
+        assert spy.call_count == 1  # the layer's own backend again
     assert len(t) == 1  # nothing recorded after the block
 
 
@@ -105,13 +111,14 @@ def test_everything_is_restored_even_after_an_error():
     model = nn.Sequential(MultiHeadAttention(4, 4, 2), tb.CausalAttention(4, 4, 8, 0.0))
     with pytest.raises(RuntimeError, match="boom"), attnkit.trace(model):
         raise RuntimeError("boom")
-    assert model[0]._observer is None and not model[0]._forward_hooks
+    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks
     assert "forward" not in model[1].__dict__
+    assert not torch.nn.modules.module._global_forward_hooks  # the block's global hooks are gone
 
 
 def test_need_weights_and_cross_attention_while_traced():
     torch.manual_seed(0)
-    layer = MultiHeadAttention(4, 4, 2, causal=False, d_context=6).eval()
+    layer = attnkit.CrossAttention(4, 4, 2, d_context=6).eval()
     x, context = torch.randn(1, 3, 4), torch.randn(1, 5, 6)
     with attnkit.trace(layer) as t:
         out, weights = layer(x, context, need_weights=True)
@@ -123,3 +130,82 @@ def test_need_weights_and_cross_attention_while_traced():
 def test_trace_needs_a_module():
     with pytest.raises(TypeError, match=r"trace\(\) expects an nn.Module, got str"), attnkit.trace("model"):
         pass
+
+
+def test_a_textbook_layer_deepcopied_inside_a_trace_is_its_own_plain_copy():
+    """Before: the copy kept a forward bound to the original, and stayed traced after the block."""
+    torch.manual_seed(0)
+    layer = tb.MultiHeadAttention(4, 4, 8, 0.0, num_heads=2)
+    x = torch.randn(1, 3, 4)
+    with attnkit.trace(layer) as t:
+        twin = copy.deepcopy(layer)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.zero_()
+        assert torch.equal(twin(x), torch.zeros(1, 3, 4))  # the copy computes with its own (zero) weights
+    assert len(t) == 0  # the copy is not the traced model
+    twin(x)
+    assert len(t) == 0 and "forward" not in twin.__dict__
+
+
+def test_torch_save_of_a_model_inside_a_trace():
+    """Before: "Can't pickle local object '_attach.<locals>.finish'"."""
+    model = nn.Sequential(MultiHeadAttention(4, 4, 2), tb.CausalAttention(4, 4, 8, 0.0))
+    buffer = io.BytesIO()
+    with attnkit.trace(model):
+        torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(1, 3, 4)
+    torch.testing.assert_close(loaded(x), model(x))
+
+
+@pytest.mark.parametrize("inner", ["same", "submodule"])
+def test_nested_traces_both_record(inner):
+    """Before: IndexError on the next forward, or the outer trace silently recorded nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MultiHeadAttention(4, 4, 2), tb.MultiHeadAttention(4, 4, 8, 0.0, num_heads=2))
+    x = torch.randn(1, 3, 4)
+    with attnkit.trace(model) as outer:
+        with attnkit.trace(model if inner == "same" else model[1]) as nested:
+            model(x)
+        model(x)
+    assert [r.name for r in outer.records] == ["0", "1", "0", "1"]
+    assert [r.name for r in nested.records] == (["0", "1"] if inner == "same" else ["MultiHeadAttention"])
+    torch.testing.assert_close(nested.records[-1].weights, outer.records[1].weights)
+
+
+def test_subclasses_of_textbook_classes_are_traced():
+    class MyAttention(tb.CausalAttention):
+        pass
+
+    torch.manual_seed(0)
+    layer = MyAttention(4, 4, 8, 0.0)
+    with attnkit.trace(layer) as t:
+        out = layer(torch.randn(1, 3, 4))
+    (record,) = t.records
+    torch.testing.assert_close(record.output, out)
+
+
+def test_a_function_calling_attention_outside_any_attnkit_module_is_traced():
+    """As a Hugging Face attention module running on attnkit does: the module is not attnkit's."""
+
+    class ForeignAttention(nn.Module):
+        def forward(self, q, k, v):
+            return attnkit.attention(q, k, v, causal=True, backend="sdpa")
+
+    model = nn.ModuleDict({"block": ForeignAttention()})
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    with attnkit.trace(model) as t:
+        out = model["block"](q, k, v)
+    (record,) = t.records
+    assert record.name == "block" and record.keys.shape == (1, 4, 5, 8)
+    torch.testing.assert_close(record.context, out)
+    torch.testing.assert_close(record.context, attnkit.attention(q, k, v, causal=True, backend="math"))
+    with attnkit.trace() as everything:  # no model: every call in the block
+        attnkit.attention(q, k, v)
+    assert [r.name for r in everything.records] == ["attention"]
+
+
+def test_no_observer_slot_on_layers():
+    assert not hasattr(MultiHeadAttention(4, 4, 2), "_observer")

@@ -135,8 +135,8 @@ def test_dropout_only_in_training_mode():
 
 def test_cross_attention_layer():
     torch.manual_seed(0)
-    layer = MultiHeadAttention(6, 8, 4, num_kv_heads=2, causal=False, d_context=10).double()
-    assert layer.qkv_proj is None and layer.kv_proj.weight.shape == (2 * 2 * 2, 10)
+    layer = attnkit.CrossAttention(6, 8, 4, num_kv_heads=2, d_context=10).double()
+    assert not hasattr(layer, "qkv_proj") and layer.kv_proj.weight.shape == (2 * 2 * 2, 10)
     x, context = torch.randn(2, 3, 6, dtype=torch.float64), torch.randn(2, 7, 10, dtype=torch.float64)
     key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
     q = (layer.q_proj(x)).view(2, 3, 4, 2).transpose(1, 2)
@@ -148,15 +148,20 @@ def test_cross_attention_layer():
         torch.testing.assert_close(layer(x, context, key_mask=key_mask), expected)
 
 
-def test_self_attention_layer_can_attend_to_a_context_of_its_width():
-    """The fused weight serves cross-attention too: queries from x, keys and values from context."""
+def test_self_attention_weights_in_a_cross_attention_layer_attend_to_a_context():
+    """A self-attention layer's fused weight, split into CrossAttention's q_proj and kv_proj."""
     torch.manual_seed(0)
     layer = MultiHeadAttention(8, 8, 2, causal=False).double()
+    cross = attnkit.CrossAttention(8, 8, 2, d_context=8).double()
+    with torch.no_grad():
+        cross.q_proj.weight.copy_(layer.qkv_proj.weight[:8])
+        cross.kv_proj.weight.copy_(layer.qkv_proj.weight[8:])
+        cross.out_proj.load_state_dict(layer.out_proj.state_dict())
     x, context = torch.randn(1, 3, 8, dtype=torch.float64), torch.randn(1, 5, 8, dtype=torch.float64)
     both = torch.cat([x, context], dim=1)
     mask = torch.zeros(8, 8, dtype=torch.bool)
     mask[:, 3:] = True  # every query sees only the context part
-    torch.testing.assert_close(layer(x, context), layer(both, attn_mask=mask)[:, :3])
+    torch.testing.assert_close(cross(x, context), layer(both, attn_mask=mask)[:, :3])
 
 
 def test_attn_mask_and_key_mask_together():

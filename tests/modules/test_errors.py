@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit import MultiHeadAttention, RotaryEmbedding
+from attnkit import CrossAttention, MultiHeadAttention, RotaryEmbedding
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
@@ -17,7 +17,6 @@ from attnkit import MultiHeadAttention, RotaryEmbedding
     (dict(window=4, causal=False), ValueError, r"window=4 needs causal=True"),
     (dict(window=-1), ValueError, r"window must be a positive int, got window=-1"),
     (dict(backend="fast"), ValueError, r"unknown attention backend 'fast'; choose from: auto, "),
-    (dict(d_context=5), ValueError, r"cross-attention layer \(d_context set\) is not causal: pass causal=False"),
     (dict(rope=RotaryEmbedding(8)), ValueError, r"rope has head_dim=8 but this layer's head_dim is 4"),
     (dict(d_out=12, num_heads=4, rope=True), ValueError, r"rope=True needs an even head_dim, got head_dim=3"),
     (dict(rope="yes"), TypeError, r"rope must be a bool or a RotaryEmbedding, got str"),
@@ -41,8 +40,7 @@ def test_bad_configuration(kwargs, error, message):
      r"key_mask must be a bool \(B, S\) = \(2, 5\)"),
     (lambda m: m(torch.randn(2, 5, 16), attn_mask=torch.ones(5, 6, dtype=torch.bool)), ValueError,
      r"mask of shape \(5, 6\) does not broadcast to \(B, H, T, S\) = \(2, 4, 5, 5\)"),
-    (lambda m: m(torch.randn(2, 5, 16), context=torch.randn(2, 3, 16)), ValueError,
-     r"this layer is causal self-attention; build it with causal=False to attend to a context"),
+    (lambda m: m(torch.randn(2, 5, 16), torch.randn(2, 3, 16)), TypeError, r"positional argument"),
     (lambda m: m(torch.randn(2, 5, 16), need_weights=1), TypeError, r"need_weights must be a bool"),
 ])
 def test_bad_forward_input(call, error, message):
@@ -51,13 +49,14 @@ def test_bad_forward_input(call, error, message):
 
 
 def test_bad_context():
-    cross = MultiHeadAttention(16, 16, 4, causal=False, d_context=8)
-    with pytest.raises(ValueError, match=r"cross-attention layer \(d_context=8\): pass context"):
+    cross = CrossAttention(16, 16, 4, d_context=8)
+    with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'context'"):
         cross(torch.randn(2, 5, 16))
-    with pytest.raises(ValueError, match=r"context must be a \(B, S, 8\) tensor, got \(2, 3, 16\)"):
+    with pytest.raises(ValueError, match=r"context must be a \(B, T, d_context=8\) tensor .* got \(2, 3, 16\)"):
         cross(torch.randn(2, 5, 16), torch.randn(2, 3, 16))
-    with pytest.raises(ValueError, match=r"must match x .* in batch size, dtype and device"):
+    with pytest.raises(ValueError, match=r"context has batch size 3 but x has 2"):
         cross(torch.randn(2, 5, 16), torch.randn(3, 3, 8))
-    rope = MultiHeadAttention(16, 16, 4, causal=False, rope=True)
-    with pytest.raises(ValueError, match=r"rotary embedding and kv_cache are for self-attention"):
-        rope(torch.randn(2, 5, 16), torch.randn(2, 3, 16))
+    with pytest.raises(ValueError, match=r"context is torch.float64 on cpu but the layer's weights are torch.float32"):
+        cross(torch.randn(2, 5, 16), torch.randn(2, 3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"d_context must be a positive int, got d_context=0"):
+        CrossAttention(16, 16, 4, d_context=0)

@@ -1,24 +1,73 @@
 """One attention signature, several kernels.
 
-:func:`attention` validates its inputs once and hands them to a backend:
+:func:`attention` validates its inputs once (:func:`make_call`) and hands them
+to a backend (:func:`run`):
 
-- ``"math"``: explicit scores and softmax, the reference; can return weights;
+- ``"math"``: explicit scores and softmax, the reference; can return weights
+  and every intermediate (:func:`math_intermediates`);
 - ``"sdpa"``: PyTorch's fused ``scaled_dot_product_attention`` kernels;
 - ``"chunked"``: pure PyTorch online softmax over key blocks with a
   recomputing backward; never materialises (T, S);
-- ``"auto"``: math when weights are asked for, else the first of
-  :data:`AUTO_ORDER` that can serve the call.
+- ``"auto"``: math when weights are asked for; chunked when SDPA would need
+  a dense mask built from the causal / window band of more than
+  :data:`DENSE_BAND_LIMIT` (query, key) pairs; otherwise the first of
+  :data:`AUTO_ORDER` that can serve the call (SDPA).
+
+While an observer is active (:func:`observe`, used by :func:`attnkit.trace`),
+every call runs the math backend and the observer receives its intermediates:
+whoever calls :func:`attention` (an attnkit layer, a decoder, a Hugging Face
+model running on attnkit) is traced the same way.
 
 Legend: B batch, H query heads, G key/value heads, T queries, S keys, D head dim.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 from torch import Tensor
 
 from . import chunked, math, sdpa  # noqa: F401  (each registers itself)
-from .call import AttentionCall, make_call
-from .registry import AUTO_ORDER, BACKENDS, Backend, choose, register
+from .call import AttentionCall, check_mask, check_options, make_call
+from .math import Intermediates, math_intermediates
+from .registry import AUTO_ORDER, BACKENDS, DENSE_BAND_LIMIT, Backend, check_backend, choose, register
+
+Observer = Callable[[AttentionCall, Intermediates], None]
+_OBSERVERS: ContextVar[tuple[Observer, ...]] = ContextVar("attnkit.observers", default=())
+
+
+@contextmanager
+def observe(observer: Observer) -> Iterator[None]:
+    """Call ``observer(call, intermediates)`` on every :func:`attention` call in this context.
+
+    Observers nest (each one sees every call) and are local to the current
+    thread / async context. While one is active, calls run the math backend.
+    """
+    token = _OBSERVERS.set((*_OBSERVERS.get(), observer))
+    try:
+        yield
+    finally:
+        _OBSERVERS.reset(token)
+
+
+def run(call: AttentionCall, *, backend: str = "auto", return_weights: bool = False
+        ) -> Tensor | tuple[Tensor, Tensor]:
+    """Run a validated call (see :func:`make_call`) on ``backend``; the second half of :func:`attention`."""
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
+    chosen = choose(backend, call, return_weights=return_weights)
+    observers = _OBSERVERS.get()
+    if observers:
+        steps = math_intermediates(call)
+        for observer in observers:
+            observer(call, steps)
+        return (steps.out, steps.weights.to(call.q.dtype)) if return_weights else steps.out
+    if return_weights:
+        assert chosen.run_with_weights is not None  # choose() guarantees it
+        return chosen.run_with_weights(call)
+    return chosen.run(call)
 
 
 def attention(
@@ -27,6 +76,7 @@ def attention(
     v: Tensor,
     *,
     mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
     causal: bool = False,
     window: int | None = None,
     scale: float | None = None,
@@ -44,7 +94,10 @@ def attention(
         v: values (B, G, S, Dv).
         mask: bool, True = may attend (the one convention in attnkit), or
             float, added to the scores (-inf blocks). Broadcastable to
-            (B, H, T, S), e.g. (B, 1, 1, S) for padded keys.
+            (B, H, T, S), e.g. (T, S) for a pattern shared by the batch.
+        key_mask: bool (B, S), True = a real key, False = padding: the common
+            padding form, the same as ``mask=key_mask[:, None, None, :]``.
+            Both may be given; a key is then visible only if both allow it.
         causal: queries are the last T of the S positions, aligned
             bottom-right: query i sees keys 0 .. S - T + i.
         window: with ``causal``, query i sees only its ``window`` most recent
@@ -59,16 +112,17 @@ def attention(
     Returns:
         out (B, H, T, Dv), or (out, weights) with ``return_weights=True``. A
         query with no visible key gets output 0, weights 0 and finite
-        gradients, in every backend.
+        gradients, in every backend. A NaN in q, k or v gives NaN in the rows
+        it reaches, in every backend (SDPA's CPU kernel alone would return 0
+        for a NaN query; attnkit's adapter propagates it).
     """
-    call = make_call(q, k, v, mask=mask, causal=causal, window=window, scale=scale, dropout_p=dropout_p)
-    if not isinstance(return_weights, bool):
-        raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
-    chosen = choose(backend, call, return_weights=return_weights)
-    if return_weights:
-        assert chosen.run_with_weights is not None  # choose() guarantees it
-        return chosen.run_with_weights(call)
-    return chosen.run(call)
+    call = make_call(q, k, v, mask=mask, key_mask=key_mask, causal=causal, window=window, scale=scale,
+                     dropout_p=dropout_p)
+    return run(call, backend=backend, return_weights=return_weights)
 
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "AttentionCall", "Backend", "attention", "choose", "make_call", "register"]
+__all__ = [
+    "AUTO_ORDER", "BACKENDS", "DENSE_BAND_LIMIT", "AttentionCall", "Backend", "Intermediates", "Observer",
+    "attention", "check_backend", "check_mask", "check_options", "choose", "make_call", "math_intermediates",
+    "observe", "register", "run",
+]

@@ -7,12 +7,13 @@ S keys, D head dim (queries and keys), Dv value head dim.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from attnkit.functional import combine_masks, visible_band
+from attnkit.functional import Visibility, block_visibility, combine_masks, key_padding_to_mask, visible_band
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class AttentionCall:
     """Validated inputs of :func:`attnkit.attention`.
 
     ``mask`` is 4-d and broadcastable to (B, H, T, S): bool with True = may
-    attend, or float (in q's dtype) added to the scores. ``causal`` and
+    attend, or float (in q's dtype) added to the scores; a key mask given to
+    :func:`make_call` is already in it, as (B, 1, 1, S). ``causal`` and
     ``window`` describe the bottom-right aligned band, kept symbolic so that
     kernels can skip blocks instead of reading a (T, S) mask.
     """
@@ -56,9 +58,14 @@ class AttentionCall:
         return self.num_keys - self.num_queries
 
     def band(self) -> Tensor | None:
-        """The causal / window mask (T, S), True = may attend; None if unrestricted."""
+        """The causal / window mask (T, S), True = may attend; None if it hides nothing."""
         return visible_band(range(self.num_queries), range(self.num_keys), offset=self.offset,
                             causal=self.causal, window=self.window, device=self.q.device)
+
+    def band_hides_nothing(self) -> bool:
+        """Whether causal / window let every query see every key (e.g. one decoding query)."""
+        return block_visibility(range(self.num_queries), range(self.num_keys), offset=self.offset,
+                                causal=self.causal, window=self.window) is Visibility.ALL
 
     def dense_mask(self) -> Tensor | None:
         """The explicit mask and the band as one mask broadcastable to (B, H, T, S)."""
@@ -97,22 +104,29 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"k (B, G={g}, S={s}, D) and v (B, G={gv}, S={sv}, Dv) must agree on G and S")
     if d != dk:
         raise ValueError(f"q has head dim D={d} but k has {dk}; they must match")
+    if h == 0:
+        raise ValueError("q has H=0 heads; attention needs at least one")
     if g == 0 or h % g:
         raise ValueError(f"q has H={h} heads, k and v have G={g}: H must be a multiple of G")
+    if d == 0:
+        raise ValueError("q and k have head dim D=0; attention needs D >= 1")
     if t == 0 or s == 0:
         raise ValueError(f"attention needs at least one query and one key, got T={t}, S={s}")
 
 
-def check_mask(mask: object, q: Tensor, num_keys: int) -> Tensor | None:
-    """A valid mask for q (B, H, T, D) and S keys, made 4-d (float masks in q's dtype); else raise."""
+def check_mask(mask: object, q: Tensor, num_keys: int, *, name: str = "mask") -> Tensor | None:
+    """A valid mask for q (B, H, T, D) and S keys, made 4-d (float masks in q's dtype); else raise.
+
+    ``name`` is the argument's name in the caller's signature, for the error message.
+    """
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"mask must be bool (True = may attend) or float (added to the scores), got {mask.dtype}")
+        raise TypeError(f"{name} must be bool (True = may attend) or float (added to the scores), got {mask.dtype}")
     if mask.device != q.device:
-        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+        raise ValueError(f"{name} is on {mask.device} but q is on {q.device}")
     b, h, t, _ = q.shape
     full = (b, h, t, num_keys)
     try:
@@ -120,34 +134,68 @@ def check_mask(mask: object, q: Tensor, num_keys: int) -> Tensor | None:
     except RuntimeError:
         broadcast_ok = False
     if not broadcast_ok:
-        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, T, S) = {full}")
+        raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to (B, H, T, S) = {full}")
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # -> 4-d
     return mask if mask.dtype == torch.bool else mask.to(q.dtype)
 
 
-def _check_options(causal: object, window: object, scale: object, dropout_p: object) -> None:
+def check_key_mask(key_mask: object, q: Tensor, num_keys: int, *, name: str = "key_mask") -> Tensor | None:
+    """A (B, S) bool key mask (True = real token) as a mask (B, 1, 1, S); else raise."""
+    if key_mask is None:
+        return None
+    b = q.shape[0]
+    if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or key_mask.shape != (b, num_keys):
+        got = f"{key_mask.dtype} {tuple(key_mask.shape)}" if isinstance(key_mask, Tensor) else repr(key_mask)
+        raise ValueError(f"{name} must be a bool (B, S) = ({b}, {num_keys}) tensor, True = real token "
+                         f"(S counts cached positions too); got {got}")
+    if key_mask.device != q.device:
+        raise ValueError(f"{name} is on {key_mask.device} but q is on {q.device}")
+    return key_padding_to_mask(key_mask)  # (B, S) -> (B, 1, 1, S)
+
+
+def _is_number(x: object) -> bool:
+    """A real number: int, float, numpy scalar or a one-element tensor; not a bool."""
+    if isinstance(x, Tensor):
+        return x.numel() == 1 and x.dtype != torch.bool
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and type(x).__name__ != "bool_"
+
+
+def check_options(*, causal: object, window: object, dropout_p: object, dropout_name: str = "dropout_p") -> None:
+    """Check the options a layer fixes at construction (and :func:`attnkit.attention` on each call)."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int (keys each query sees), got window={window!r}")
+            raise ValueError(f"window must be a positive int, got window={window!r} (the keys each query sees)")
         if not causal:
             raise ValueError(f"window={window} needs causal=True: each query sees its window most recent keys")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    if not _is_number(dropout_p) or not 0 <= float(dropout_p) < 1:  # type: ignore[arg-type]
+        raise ValueError(f"{dropout_name}={dropout_p!r} is outside [0, 1)")
+
+
+def _check_scale(scale: object) -> None:
+    if scale is None:
+        return
+    if not _is_number(scale) or not (math.isfinite(float(scale)) and float(scale) > 0):  # type: ignore[arg-type]
         raise ValueError(f"scale must be a positive finite number or None, got scale={scale!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p={dropout_p!r} is outside [0, 1)")
 
 
-def make_call(q: object, k: object, v: object, *, mask: object = None, causal: object = False,
-              window: object = None, scale: object = None, dropout_p: object = 0.0) -> AttentionCall:
-    """Validate the arguments of :func:`attnkit.attention`; errors name the offending value."""
+def make_call(q: object, k: object, v: object, *, mask: object = None, key_mask: object = None,
+              causal: object = False, window: object = None, scale: object = None, dropout_p: object = 0.0,
+              mask_name: str = "mask") -> AttentionCall:
+    """Validate the arguments of :func:`attnkit.attention`; errors name the offending value.
+
+    ``key_mask`` (B, S) and ``mask`` become one 4-d mask, checked here once.
+    ``mask_name`` is how the caller calls ``mask`` (a layer's ``attn_mask``).
+    """
     q, k, v = _check_qkv(q, k, v)
     _check_shapes(q, k, v)
-    _check_options(causal, window, scale, dropout_p)
-    checked_mask = check_mask(mask, q, k.shape[2])
+    check_options(causal=causal, window=window, dropout_p=dropout_p)
+    _check_scale(scale)
+    num_keys = k.shape[2]
+    checked = combine_masks(check_mask(mask, q, num_keys, name=mask_name), check_key_mask(key_mask, q, num_keys))
     return AttentionCall(
-        q, k, v, checked_mask, bool(causal), window,  # type: ignore[arg-type]
+        q, k, v, checked, bool(causal), window,  # type: ignore[arg-type]
         q.shape[-1] ** -0.5 if scale is None else float(scale),  # type: ignore[arg-type]
         float(dropout_p),  # type: ignore[arg-type]
     )

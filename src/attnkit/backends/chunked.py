@@ -241,5 +241,4 @@ CHUNKED = register(Backend(
     name="chunked",
     run=chunked_attention,
     why_not=_why_not,
-    description="pure PyTorch online softmax over key blocks; O(T) memory; recomputing backward",
 ))

@@ -8,6 +8,8 @@ Legend: B batch, H query heads, G key/value heads, T queries, S keys, D head dim
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -44,18 +46,39 @@ def softmax_rows(scores: Tensor) -> Tensor:
     return weights.masked_fill(empty, 0.0)  # ...then zeroed
 
 
-def math_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
-    """(out (B, H, T, Dv), weights (B, H, T, S)); weights are taken before dropout."""
-    weights = softmax_rows(masked_scores(call))
+@dataclass(frozen=True)
+class Intermediates:
+    """What the math backend computed for one call, for tracing (see :func:`attnkit.trace`).
+
+    ``scores`` are what softmax received (scaled, -inf where a key was
+    blocked) and ``weights`` its result, both in the compute dtype (float32
+    for half-precision inputs); ``out`` is (dropped-out) weights @ values in
+    q's dtype, before any caller merges the heads.
+    """
+
+    scores: Tensor  # (B, H, T, S)
+    weights: Tensor  # (B, H, T, S)
+    out: Tensor  # (B, H, T, Dv)
+
+
+def math_intermediates(call: AttentionCall) -> Intermediates:
+    """Every step of the reference computation; weights are taken before dropout."""
+    scores = masked_scores(call)
+    weights = softmax_rows(scores)
     dropped = F.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     v = expand_kv(call.v, call.num_heads).to(weights.dtype)  # (B, G, S, Dv) -> (B, H, S, Dv)
     out = dropped @ v  # (B, H, T, S) @ (B, H, S, Dv) -> (B, H, T, Dv)
-    return out.to(call.q.dtype), weights.to(call.q.dtype)
+    return Intermediates(scores, weights, out.to(call.q.dtype))
 
 
-MATH = register(Backend(
+def math_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
+    """(out (B, H, T, Dv), weights (B, H, T, S)); weights are taken before dropout."""
+    steps = math_intermediates(call)
+    return steps.out, steps.weights.to(call.q.dtype)
+
+
+register(Backend(
     name="math",
     run=lambda call: math_attention(call)[0],
     run_with_weights=math_attention,
-    description="explicit scores and softmax; the reference; returns weights",
 ))

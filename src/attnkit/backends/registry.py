@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .call import AttentionCall
@@ -26,24 +27,28 @@ class Backend:
     run: Callable[[AttentionCall], Tensor]
     why_not: Callable[[AttentionCall], str | None] = _always
     run_with_weights: Callable[[AttentionCall], tuple[Tensor, Tensor]] | None = None
-    description: str = ""
 
 
 BACKENDS: dict[str, Backend] = {}
 # "auto" tries these in order and takes the first that can serve the call.
 AUTO_ORDER: list[str] = ["sdpa", "chunked", "math"]
-# Above this many (query, key) pairs, "auto" will not build a dense causal/window band for SDPA.
+# Above this many (query, key) pairs, "auto" will not build a dense mask for SDPA.
 DENSE_BAND_LIMIT = 2048 * 2048
 
 
 def needs_dense_band(call: AttentionCall) -> bool:
-    """Whether SDPA could serve ``call`` only with a (T, S) band built in memory.
+    """Whether SDPA could serve ``call`` only with a (T, S) causal / window band built in memory.
 
-    A sliding window, or causal queries that are not the whole sequence
-    (1 < T != S), cannot be expressed to SDPA without one.
+    A sliding window, causal queries that are not the whole sequence
+    (1 < T != S), or causal queries with a mask (SDPA takes ``is_causal`` or a
+    mask, not both) cannot be expressed to SDPA without one.
     """
-    partial_causal = call.causal and call.num_queries > 1 and call.num_queries != call.num_keys
-    return call.window is not None or partial_causal
+    if call.band_hides_nothing():
+        return False
+    several = call.num_queries > 1
+    partial_causal = call.causal and several and call.num_queries != call.num_keys
+    causal_with_mask = call.causal and several and call.mask is not None
+    return call.window is not None or partial_causal or causal_with_mask
 
 
 def _auto(call: AttentionCall) -> Backend:
@@ -77,10 +82,16 @@ def choose(name: str, call: AttentionCall, *, return_weights: bool) -> Backend:
     """The backend that serves ``call``: ``name`` itself, or the first able one for "auto".
 
     "auto" picks the math backend when weights are asked for (it is the one
-    that materialises them); "chunked" when SDPA would need a dense causal or
-    window band of more than DENSE_BAND_LIMIT entries; otherwise the first of
+    that materialises them); "chunked" when SDPA would need a dense mask
+    built from the causal / window band (alone or with the caller's mask) of
+    more than DENSE_BAND_LIMIT (query, key) pairs; otherwise the first of
     AUTO_ORDER that can serve the call. A named backend that cannot serve the
     call is an error saying why.
+
+    "auto" cannot know at the forward pass whether second-order gradients
+    will be asked for: the chunked backend has no double backward (it raises
+    when ``create_graph=True`` reaches it), so pass ``backend="math"`` or
+    ``"sdpa"`` for gradient penalties on long or windowed calls.
     """
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__}")
@@ -94,3 +105,21 @@ def choose(name: str, call: AttentionCall, *, return_weights: bool) -> Backend:
     if reason is not None:
         raise ValueError(f"backend {name!r} cannot serve this call: {reason}")
     return backend
+
+
+def check_backend(name: object, *, dropout_p: float = 0.0, need_weights: bool = False) -> None:
+    """Raise if backend ``name`` could never serve a layer with these fixed options.
+
+    For a layer's constructor: asks the backend's own ``why_not`` about a
+    one-token call with the layer's dropout, so each backend's limits are
+    written once, in the backend.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, got {type(name).__name__}")
+    if name == "auto":
+        return
+    backend = _named(name)
+    probe = torch.zeros(1, 1, 1, 1)
+    reason = backend.why_not(AttentionCall(probe, probe, probe, None, False, None, 1.0, float(dropout_p)))
+    if reason is not None:
+        raise ValueError(f"backend {name!r} cannot serve this layer: {reason}")

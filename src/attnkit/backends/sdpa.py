@@ -9,6 +9,10 @@ What this adapter adds over calling SDPA directly:
 - a query with no visible key returns 0 on every PyTorch version and device:
   such rows are opened before the kernel and zeroed after it, so the kernel
   never sees an all-masked row and gradients stay finite;
+- a NaN in a query gives NaN in its row, as in the other backends: PyTorch's
+  CPU flash kernel (taken when there is no mask) returns 0 there, so on CPU
+  the unmasked path checks q for NaN (one read of q: measured 0.4% of a
+  T = S = 1024 call and 7 µs of a 90 µs decoding call) and fills the rows;
 - grouped-query heads: one decoding query per head is folded into the
   key/value heads (no copy); longer queries expand the key/value heads, which
   measured faster than ``enable_gqa`` on CPU.
@@ -32,11 +36,10 @@ from .registry import Backend, register
 def _mask_and_flag(call: AttentionCall) -> tuple[Tensor | None, bool]:
     """The attn_mask to pass and whether to pass is_causal=True."""
     t, s = call.num_queries, call.num_keys
-    if call.mask is None and call.window is None and call.causal:
-        if t == s:
-            return None, True  # top-left and bottom-right agree
-        if t == 1:
-            return None, False  # the last query sees every key
+    if call.band_hides_nothing():  # not causal, or one decoding query with no window: no band at all
+        return call.mask, False
+    if call.mask is None and call.window is None and call.causal and t == s:
+        return None, True  # top-left and bottom-right agree
     return call.dense_mask(), False
 
 
@@ -66,11 +69,9 @@ def sdpa_attention(call: AttentionCall) -> Tensor:
                                          is_causal=is_causal, scale=call.scale)
     if fold:
         out = out.reshape(b, h, 1, out.shape[-1])  # (B, G, R, Dv) -> (B, H, 1, Dv)
+    if mask is None and q.device.type == "cpu" and bool(call.q.isnan().any()):
+        out = out.masked_fill(call.q.isnan().any(dim=-1, keepdim=True), torch.nan)  # as math and chunked do
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 
-SDPA = register(Backend(
-    name="sdpa",
-    run=sdpa_attention,
-    description="torch.nn.functional.scaled_dot_product_attention with bottom-right causal alignment",
-))
+register(Backend(name="sdpa", run=sdpa_attention))

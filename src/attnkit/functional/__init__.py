@@ -2,9 +2,9 @@
 
 from .gqa import expand_kv
 from .masks import (
+    Visibility,
     block_has_empty_rows,
     block_visibility,
-    causal_mask,
     combine_masks,
     key_padding_to_mask,
     visible_band,
@@ -13,9 +13,9 @@ from .rope import RotaryEmbedding, rotate_half
 
 __all__ = [
     "RotaryEmbedding",
+    "Visibility",
     "block_has_empty_rows",
     "block_visibility",
-    "causal_mask",
     "combine_masks",
     "expand_kv",
     "key_padding_to_mask",

@@ -13,12 +13,33 @@ Legend: B batch, H query heads, T queries, S keys.
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 from torch import Tensor
 
 
-def _band(rows: range, cols: range, offset: int, causal: bool, window: int | None,
-          device: torch.device | None) -> Tensor:
+class Visibility(str, Enum):
+    """How much of a (queries x keys) block the causal / window band lets through."""
+
+    NONE = "none"
+    ALL = "all"
+    SOME = "some"
+
+
+def visible_band(
+    rows: range, cols: range, *, offset: int, causal: bool, window: int | None, device: torch.device | None = None
+) -> Tensor | None:
+    """The causal / sliding-window mask for query rows ``rows`` and key columns ``cols``.
+
+    ``offset`` is S - T: query i is aligned with key i + offset (bottom-right
+    causal alignment; ``offset=S - T`` over ``range(T), range(S)`` gives the
+    whole (T, S) mask). Returns a bool (len(rows), len(cols)) tensor, True =
+    may attend, or None when the band hides nothing in this block (neither
+    causal nor window, or every key visible to every query).
+    """
+    if block_visibility(rows, cols, offset=offset, causal=causal, window=window) is Visibility.ALL:
+        return None
     i = torch.arange(rows.start, rows.stop, device=device).unsqueeze(1) + offset  # (Tb, 1)
     j = torch.arange(cols.start, cols.stop, device=device).unsqueeze(0)  # (1, Sb)
     visible = j <= i if causal else torch.ones(len(rows), len(cols), dtype=torch.bool, device=device)
@@ -27,41 +48,20 @@ def _band(rows: range, cols: range, offset: int, causal: bool, window: int | Non
     return visible
 
 
-def visible_band(
-    rows: range, cols: range, *, offset: int, causal: bool, window: int | None, device: torch.device | None = None
-) -> Tensor | None:
-    """The causal / sliding-window mask for query rows ``rows`` and key columns ``cols``.
-
-    ``offset`` is S - T: query i is aligned with key i + offset. Returns a bool
-    (len(rows), len(cols)) tensor, True = may attend, or None when neither
-    causal nor window restricts anything.
-    """
-    if not causal and window is None:
-        return None
-    return _band(rows, cols, offset, causal, window, device)
-
-
-def causal_mask(
-    num_queries: int, num_keys: int, *, window: int | None = None, device: torch.device | None = None
-) -> Tensor:
-    """Bottom-right aligned causal mask of shape (T, S), True = may attend."""
-    return _band(range(num_queries), range(num_keys), num_keys - num_queries, True, window, device)
-
-
-def block_visibility(rows: range, cols: range, *, offset: int, causal: bool, window: int | None) -> str:
-    """Whether a (rows x cols) block of the causal/window band is "none", "all" or "some" visible.
+def block_visibility(rows: range, cols: range, *, offset: int, causal: bool, window: int | None) -> Visibility:
+    """Whether a (rows x cols) block of the causal/window band is NONE, ALL or SOME visible.
 
     Lets blocked kernels skip hidden blocks and drop the mask on full ones.
     """
     first_i, last_i = rows.start + offset, rows.stop - 1 + offset
     first_j, last_j = cols.start, cols.stop - 1
     if causal and first_j > last_i:
-        return "none"
+        return Visibility.NONE
     if window is not None and last_j <= first_i - window:
-        return "none"
+        return Visibility.NONE
     if (not causal or last_j <= first_i) and (window is None or first_j > last_i - window):
-        return "all"
-    return "some"
+        return Visibility.ALL
+    return Visibility.SOME
 
 
 def block_has_empty_rows(rows: range, cols: range, *, offset: int, causal: bool, window: int | None) -> bool:

@@ -10,6 +10,8 @@ Legend: B batch, H heads, T positions, D head dim.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -18,6 +20,11 @@ def rotate_half(x: Tensor) -> Tensor:
     """(x1, x2) -> (-x2, x1) over the last dimension."""
     x1, x2 = x.chunk(2, dim=-1)  # (..., D) -> 2 x (..., D/2)
     return torch.cat((-x2, x1), dim=-1)  # -> (..., D)
+
+
+def _apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (..., T, D) rotated by angles whose cos and sin are (T, D)."""
+    return x * cos + rotate_half(x) * sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -34,8 +41,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise ValueError(f"RotaryEmbedding needs a positive even head_dim, got head_dim={head_dim!r}")
-        if not base > 1.0:
-            raise ValueError(f"RotaryEmbedding base must be > 1, got base={base!r}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
+            raise ValueError(f"RotaryEmbedding base must be > 1, got base={base!r} (expected a finite number)")
         self.head_dim, self.base = head_dim, float(base)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -51,15 +58,18 @@ class RotaryEmbedding(nn.Module):
         """x (..., T, D) rotated by the angles of ``positions`` (T,)."""
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size {x.shape[-1]}")
-        cos, sin = self.cos_sin(positions, x.dtype)
-        return x * cos + rotate_half(x) * sin
+        return _apply(x, *self.cos_sin(positions, x.dtype))
 
     def forward(self, q: Tensor, k: Tensor, *, offset: int = 0) -> tuple[Tensor, Tensor]:
-        """Rotate q and k (B, *, T, D) as positions offset .. offset + T - 1."""
+        """Rotate q and k (B, *, T, D) as positions offset .. offset + T - 1 (angles computed once)."""
         if q.shape[-2] != k.shape[-2]:
             raise ValueError(f"q and k must cover the same positions, got T={q.shape[-2]} and {k.shape[-2]}")
+        if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim:
+            raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size "
+                             f"{q.shape[-1]} and {k.shape[-1]}")
         positions = torch.arange(offset, offset + q.shape[-2], device=q.device)
-        return self.rotate(q, positions), self.rotate(k, positions)
+        cos, sin = self.cos_sin(positions, q.dtype)  # (T, D) each
+        return _apply(q, cos, sin), _apply(k, cos.to(k.dtype), sin.to(k.dtype))
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base:g}"

@@ -70,7 +70,7 @@ def explain_model(model_name: str, text: str | None, *, layer: int = 0, head: in
     with trace(model) as recorded:
         model(batch["input_ids"], attention_mask=batch["attention_mask"])
     record = recorded.records[layer]
-    steps = wt.record_steps(record, head, tokens)
+    steps = wt.record_steps(record, head)
     header = [
         f"text:  {text}  ({len(tokens)} word pieces, with [CLS] and [SEP])",
         "model: all-MiniLM-L6-v2 (6 layers x 12 heads, hidden 384) on attnkit layers",

@@ -4,12 +4,13 @@
         model(inputs)
     t.records[0].weights        # (B, H, T, S) of the first attention call
 
-Every :class:`attnkit.MultiHeadAttention` and every attention class of
-:mod:`attnkit.textbook` inside ``model`` is traced; nothing's signature
-changes. While traced, attnkit layers compute with the explicit math backend
-(it is the one with weights to record); textbook layers compute as always,
-step by step. On leaving the block every layer is restored: outside it nothing
-is recorded and nothing is slower.
+Every call of :func:`attnkit.attention` made inside ``model`` (by
+:class:`attnkit.MultiHeadAttention`, a decoder, or a Hugging Face model
+running on attnkit) and every attention class of :mod:`attnkit.textbook` is
+recorded; nothing's signature changes and nothing is stored on a module.
+While tracing, attention() computes with the explicit math backend (it is the
+one with weights to record). Outside the block nothing is recorded and
+nothing is slower.
 
 Legend: B batch, H heads, T queries, S keys, D head dim.
 """
@@ -22,15 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from attnkit import textbook as tb
-from attnkit.backends.call import make_call
-from attnkit.backends.math import masked_scores, softmax_rows
+from attnkit.backends import AttentionCall, Intermediates, observe
 from attnkit.functional import expand_kv
-from attnkit.modules import MultiHeadAttention
-from attnkit.textbook._checks import check_input
 
 
 @dataclass(frozen=True)
@@ -80,24 +78,44 @@ def _record(name: str, steps: list[Tensor], output: Tensor) -> AttentionRecord:
     return AttentionRecord(name, *(t.detach().clone() for t in parts))
 
 
-def _heads_step(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout: nn.Module | None
-                ) -> tuple[Tensor, Tensor, Tensor]:
+@dataclass(frozen=True)
+class HeadSteps:
+    """The textbook's attention step, every intermediate kept (q, k, v (B, H, T, d))."""
+
+    scores: Tensor  # (B, H, T, T): q @ k^T
+    may_attend: Tensor  # (T, T), True = may attend
+    scaled: Tensor  # (B, H, T, T): -inf where blocked, / sqrt(d)
+    weights: Tensor  # (B, H, T, T): softmax
+    dropped: Tensor  # (B, H, T, T): after dropout
+    context: Tensor  # (B, H, T, d)
+
+
+def heads_steps(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout: nn.Module | None) -> HeadSteps:
     """The textbook's step: scores, -inf above the diagonal, scale, softmax, dropout, @ values.
 
-    q, k, v (B, H, T, d). Returns (scores, weights, context); the dropout
-    module is called once, as the textbook classes call it.
+    The dropout module is called once, as the textbook classes call it. The
+    walkthrough and the textbook layers' trace adapters both use this.
     """
-    scores = q @ k.transpose(-2, -1) / k.shape[-1] ** 0.5  # (B, H, T, d) @ (B, H, d, T) -> (B, H, T, T)
+    scores = q @ k.transpose(-2, -1)  # (B, H, T, d) @ (B, H, d, T) -> (B, H, T, T)
+    t = scores.shape[-1]
+    may_attend = torch.ones(t, t, dtype=torch.bool, device=q.device)  # (T, T)
     if causal:
-        t = scores.shape[-1]
-        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, -torch.inf)
-    weights = torch.softmax(scores, dim=-1)
+        may_attend = may_attend.tril()
+    scaled = scores.masked_fill(~may_attend, -torch.inf) / k.shape[-1] ** 0.5
+    weights = torch.softmax(scaled, dim=-1)
     dropped = dropout(weights) if dropout is not None else weights
-    return scores, weights, dropped @ v  # (B, H, T, T) @ (B, H, T, d) -> (B, H, T, d)
+    context = dropped @ v  # (B, H, T, T) @ (B, H, T, d) -> (B, H, T, d)
+    return HeadSteps(scores, may_attend, scaled, weights, dropped, context)
 
 
-def _single_head(module: nn.Module, x: Tensor, causal: bool, dropout: nn.Module | None,
+def _heads_step(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout: nn.Module | None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """(scaled scores, weights, context) of :func:`heads_steps`: what a record keeps."""
+    steps = heads_steps(q, k, v, causal, dropout)
+    return steps.scaled, steps.weights, steps.context
+
+
+def _single_head(x: Tensor, causal: bool, dropout: nn.Module | None,
                  project: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, list[Tensor]]:
     q, k, v = (t.unsqueeze(1) for t in project(x))  # (B, T, d) -> (B, 1, T, d)
     scores, weights, context = _heads_step(q, k, v, causal, dropout)
@@ -105,15 +123,15 @@ def _single_head(module: nn.Module, x: Tensor, causal: bool, dropout: nn.Module 
 
 
 def _trace_v1(m: tb.SelfAttention_v1, x: Tensor) -> tuple[Tensor, list[Tensor]]:
-    return _single_head(m, x, False, None, lambda x: (x @ m.W_query, x @ m.W_key, x @ m.W_value))
+    return _single_head(x, False, None, lambda x: (x @ m.W_query, x @ m.W_key, x @ m.W_value))
 
 
 def _trace_v2(m: tb.SelfAttention_v2, x: Tensor) -> tuple[Tensor, list[Tensor]]:
-    return _single_head(m, x, False, None, lambda x: (m.W_query(x), m.W_key(x), m.W_value(x)))
+    return _single_head(x, False, None, lambda x: (m.W_query(x), m.W_key(x), m.W_value(x)))
 
 
 def _trace_causal(m: tb.CausalAttention, x: Tensor) -> tuple[Tensor, list[Tensor]]:
-    return _single_head(m, x, True, m.dropout, lambda x: (m.W_query(x), m.W_key(x), m.W_value(x)))
+    return _single_head(x, True, m.dropout, lambda x: (m.W_query(x), m.W_key(x), m.W_value(x)))
 
 
 def _trace_wrapper(m: tb.MultiHeadAttentionWrapper, x: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -148,79 +166,125 @@ _TEXTBOOK: dict[type, Callable[..., tuple[Tensor, list[Tensor]]]] = {
 }
 
 
-def _textbook_forward(module: nn.Module, name: str, out: Trace) -> Callable[[Tensor], Tensor]:
-    step = _TEXTBOOK[type(module)]
-    sizes: Any = module.heads[0] if isinstance(module, tb.MultiHeadAttentionWrapper) else module
-    d_in, context_length = sizes.d_in, getattr(sizes, "context_length", None)
-
-    def forward(x: Tensor) -> Tensor:
-        batch = check_input(x, d_in, context_length)  # the textbook's own checks; (B, T, d_in)
-        output, fields = step(module, batch)
-        out.records.append(_record(name, fields, output))
-        return output if x.dim() == 3 else output.squeeze(0)  # (B, T, d) -> (T, d)
-
-    return forward
+def textbook_adapter(module: nn.Module) -> Callable[..., tuple[Tensor, list[Tensor]]] | None:
+    """The step-by-step adapter for a textbook attention class (or a subclass of one), else None."""
+    for cls in type(module).__mro__:
+        if cls in _TEXTBOOK:
+            return _TEXTBOOK[cls]
+    return None
 
 
-def _observer(name: str, pending: list[list[Tensor]]) -> Callable[..., tuple[Tensor, Tensor]]:
-    """Stands in for attention() inside a traced attnkit layer: the math backend, every step kept."""
+@dataclass
+class _Frame:
+    """One call of a module of the traced model, with the attention calls made inside it."""
 
-    def observe(layer: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                dropout_p: float) -> tuple[Tensor, Tensor]:
-        call = make_call(q, k, v, mask=mask, causal=layer.causal, window=layer.window, dropout_p=dropout_p)
-        scores = masked_scores(call)
-        weights = softmax_rows(scores)
-        dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-        context = dropped @ expand_kv(v, q.shape[1]).to(weights.dtype)  # (B, H, T, S) @ (B, H, S, Dv)
-        pending.append([q, k, v, scores, weights, context])
-        return context.to(q.dtype), weights.to(q.dtype)
-
-    return observe
+    module: nn.Module
+    name: str | None  # None: not a module of the traced model
+    pending: list[list[Tensor]] = field(default_factory=list)
+    rng: tuple[Tensor, ...] = ()
 
 
-def _attach(module: nn.Module, name: str, out: Trace) -> Callable[[], None]:
-    """Start tracing one layer; return the function that restores it."""
-    if isinstance(module, MultiHeadAttention):
-        pending: list[list[Tensor]] = []
-        module._observer = _observer(name, pending)
+class _Tracer:
+    """Observes attention() calls and textbook layers while one trace() block runs.
 
-        def finish(_: nn.Module, args: object, output: Tensor | tuple[Tensor, Tensor]) -> None:
-            result = output[0] if isinstance(output, tuple) else output
-            out.records.append(_record(name, pending.pop(), result))
+    Global module hooks (``torch.nn.modules.module.register_module_forward_*``)
+    keep a stack of the modules being called, so nothing is stored on any
+    module: copies and pickles of a traced model are plain, and nested
+    traces each record everything.
+    """
 
-        handle = module.register_forward_hook(finish)
+    def __init__(self, model: nn.Module | None, out: Trace) -> None:
+        self.out = out
+        self.names = {} if model is None else {id(m): n or type(m).__name__ for n, m in model.named_modules()}
+        self.everything = model is None
+        self.stack: list[_Frame] = []
 
-        def restore() -> None:
-            module._observer = None
-            handle.remove()
+    def _owner(self) -> _Frame | None:
+        """The innermost frame of a module of the traced model, if any."""
+        return next((f for f in reversed(self.stack) if f.name is not None), None)
 
-        return restore
-    module.forward = _textbook_forward(module, name, out)
-    return lambda: module.__dict__.pop("forward", None)
+    def _in_textbook(self) -> bool:
+        return any(f.name is not None and textbook_adapter(f.module) is not None for f in self.stack)
+
+    def observe(self, call: AttentionCall, steps: Intermediates) -> None:
+        fields = [call.q, call.k, call.v, steps.scores, steps.weights, steps.out]
+        owner = self._owner()
+        if owner is not None:
+            owner.pending.append(fields)
+        elif self.everything:
+            self.out.records.append(_record("attention", fields, steps.out))
+
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        name = self.names.get(id(module))
+        if name is not None and textbook_adapter(module) is not None and self._in_textbook():
+            name = None  # a textbook head inside a traced textbook layer: part of the outer record
+        frame = _Frame(module, name)
+        if name is not None and textbook_adapter(module) is not None:
+            frame.rng = _rng_state(args)
+        self.stack.append(frame)
+
+    def post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self.stack or self.stack[-1].module is not module:
+            return  # a call that started before the block
+        frame = self.stack.pop()
+        if frame.name is None:
+            return
+        result = output[0] if isinstance(output, tuple) else output
+        adapter = textbook_adapter(module)
+        if adapter is not None:
+            self.out.records.append(_textbook_record(module, adapter, frame, args))
+        for fields in frame.pending:
+            self.out.records.append(_record(frame.name, fields, result))
+
+
+def _rng_state(args: tuple[Any, ...]) -> tuple[Tensor, ...]:
+    """The generators' states before a textbook layer runs, to replay its dropout in the adapter."""
+    x = args[0] if args else None
+    if isinstance(x, Tensor) and x.device.type == "cuda":
+        return torch.get_rng_state(), torch.cuda.get_rng_state(x.device)
+    return (torch.get_rng_state(),)
+
+
+def _textbook_record(module: nn.Module, adapter: Callable[..., tuple[Tensor, list[Tensor]]], frame: _Frame,
+                     args: tuple[Any, ...]) -> AttentionRecord:
+    """Re-run a textbook layer's steps with the generator as the layer found it (same dropout)."""
+    x = args[0]
+    batch = x if x.dim() == 3 else x.unsqueeze(0)  # (T, d_in) -> (1, T, d_in)
+    cuda = [x.device] if len(frame.rng) == 2 else []
+    with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        torch.set_rng_state(frame.rng[0])
+        if cuda:
+            torch.cuda.set_rng_state(frame.rng[1], x.device)
+        output, fields = adapter(module, batch)
+    assert frame.name is not None
+    return _record(frame.name, fields, output)
 
 
 @contextmanager
-def trace(model: nn.Module) -> Iterator[Trace]:
+def trace(model: nn.Module | None = None) -> Iterator[Trace]:
     """Record every attention call inside ``model`` while the block runs.
 
-    Layers are named by their path in ``model`` (``model`` itself, if it is
-    an attention layer, by its class name). A textbook layer inside another
-    traced one (the heads of a MultiHeadAttentionWrapper) is recorded as part
-    of the outer layer. Layers are restored on leaving, even after an error.
+    Every call of :func:`attnkit.attention` made while a module of ``model``
+    runs is recorded (with the math backend, whose intermediates it keeps),
+    named by the path of the innermost such module: an attnkit layer, a
+    Hugging Face attention module running on attnkit, any caller. Textbook
+    attention layers (and their subclasses) are recorded step by step; a
+    textbook layer inside another (the heads of a MultiHeadAttentionWrapper)
+    is part of the outer record. With ``model=None``, every attention() call
+    in the block is recorded, named "attention".
+
+    Nothing is stored on the model: copies and pickles made inside the block
+    are not traced, and traces nest (each records every call).
     """
-    if not isinstance(model, nn.Module):
+    if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"trace() expects an nn.Module, got {type(model).__name__}")
     out = Trace()
-    restores: list[Callable[[], None]] = []
-    traced_prefixes: list[str] = []
+    tracer = _Tracer(model, out)
+    pre = register_module_forward_pre_hook(tracer.pre_hook)
+    post = register_module_forward_hook(tracer.post_hook, always_call=True)
     try:
-        for name, module in model.named_modules():
-            if any(name.startswith(p) for p in traced_prefixes):
-                continue
-            if isinstance(module, MultiHeadAttention) or type(module) in _TEXTBOOK:
-                restores.append(_attach(module, name or type(module).__name__, out))
-                traced_prefixes.append(f"{name}." if name else "")
-        yield out
+        with observe(tracer.observe):
+            yield out
     finally:
-        for restore in restores:
-            restore()
+        pre.remove()
+        post.remove()

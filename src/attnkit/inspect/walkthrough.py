@@ -19,7 +19,7 @@ from torch import Tensor
 
 from attnkit import textbook as tb
 
-from .trace import AttentionRecord
+from .trace import AttentionRecord, HeadSteps, heads_steps
 
 # The steps in order, with their titles; `--steps` picks among these keys.
 STEPS: dict[str, str] = {
@@ -111,7 +111,7 @@ def walkthrough(mha: tb.MultiHeadAttention, example: Example, *, causal: bool = 
     """
     x, tokens = example.embeddings, example.tokens
     _check_example(mha, x, tokens)
-    num_tokens, hd = x.shape[0], mha.head_dim
+    hd = mha.head_dim
     steps = [Step("inputs", STEPS["inputs"], f"One row per token: {example.source}.",
                   {"inputs": x}, {"inputs": ("token", "d_in")})]
     w = {f"W_{n}": getattr(mha, f"W_{n}").weight.T for n in ("query", "key", "value")}  # (d_in, d_out)
@@ -127,49 +127,41 @@ def walkthrough(mha: tb.MultiHeadAttention, example: Example, *, causal: bool = 
                       f"d_out={mha.d_out} splits into {mha.num_heads} heads of head_dim={hd}: "
                       "view (T, H, hd), then transpose to (H, T, hd).",
                       heads, dict.fromkeys(heads, ("head", "token", "hd"))))
-    steps += _score_steps(mha, heads, num_tokens, causal)
-    return steps + _context_steps(mha, steps[-1].tensors["weights"], heads["values"])
+    found = heads_steps(heads["queries"], heads["keys"], heads["values"], causal,
+                        mha.dropout if mha.training and mha.dropout.p > 0 else None)
+    return steps + _score_steps(mha, found, causal) + _context_steps(mha, found)
 
 
-def _score_steps(mha: tb.MultiHeadAttention, heads: dict[str, Tensor], num_tokens: int,
-                 causal: bool) -> list[Step]:
+def _score_steps(mha: tb.MultiHeadAttention, found: HeadSteps, causal: bool) -> list[Step]:
     qk = ("head", "query", "key")
-    scores = heads["queries"] @ heads["keys"].transpose(-2, -1)  # (H, T, hd) @ (H, hd, T) -> (H, T, T)
-    may_attend = torch.ones(num_tokens, num_tokens, dtype=torch.bool)  # (T, T), True = may attend
-    if causal:
-        may_attend = may_attend.tril()
     mask_note = ("True = may attend: token i sees tokens 0..i, never a later one."
                  if causal else "No mask (--no-causal): every token sees every token.")
-    scaled = scores.masked_fill(~may_attend, -torch.inf) / mha.head_dim**0.5
-    weights = torch.softmax(scaled, dim=-1)  # (H, T, T)
     return [
         Step("scores", STEPS["scores"], "Query-key dot products per head: how well each key matches.",
-             {"scores": scores}, {"scores": qk}),
-        Step("mask", STEPS["mask"], mask_note, {"mask": may_attend}, {"mask": ("query", "key")}),
+             {"scores": found.scores}, {"scores": qk}),
+        Step("mask", STEPS["mask"], mask_note, {"mask": found.may_attend}, {"mask": ("query", "key")}),
         Step("scaled", STEPS["scaled"],
              f"Blocked scores become -inf; all are divided by sqrt(head_dim)={mha.head_dim**0.5:.4g} "
-             "so softmax does not saturate.", {"scaled": scaled}, {"scaled": qk}),
+             "so softmax does not saturate.", {"scaled": found.scaled}, {"scaled": qk}),
         Step("softmax", STEPS["softmax"], "Softmax of each row: non-negative weights that sum to one.",
-             {"weights": weights}, {"weights": qk}),
+             {"weights": found.weights}, {"weights": qk}),
     ]
 
 
-def _context_steps(mha: tb.MultiHeadAttention, weights: Tensor, values: Tensor) -> list[Step]:
+def _context_steps(mha: tb.MultiHeadAttention, found: HeadSteps) -> list[Step]:
     qk = ("head", "query", "key")
     p = mha.dropout.p
     if mha.training and p > 0:
-        weights = mha.dropout(weights)
         note = (f"Training mode: each weight is zeroed with p={p} and survivors scaled by 1/(1-p), "
                 "so rows no longer sum to one.")
     else:
         note = f"Off (p={p}{', eval mode' if not mha.training else ''}): the weights pass unchanged."
-    context = weights @ values  # (H, T, T) @ (H, T, hd) -> (H, T, hd)
-    merged = mha.merge_heads(context.unsqueeze(0))[0]  # (H, T, hd) -> (T, d_out)
+    merged = mha.merge_heads(found.context.unsqueeze(0))[0]  # (H, T, hd) -> (T, d_out)
     out = mha.out_proj(merged)  # (T, d_out)
     return [
-        Step("dropout", STEPS["dropout"], note, {"weights": weights}, {"weights": qk}),
+        Step("dropout", STEPS["dropout"], note, {"weights": found.dropped}, {"weights": qk}),
         Step("context", STEPS["context"], "Each token's weighted sum of the values, per head.",
-             {"context": context}, {"context": ("head", "token", "hd")}),
+             {"context": found.context}, {"context": ("head", "token", "hd")}),
         Step("merge", STEPS["merge"], "Transpose back to (T, H, hd), then join the heads: (T, d_out).",
              {"merged": merged}, {"merged": ("token", "d_out")}),
         Step("output", STEPS["output"], "out_proj mixes the heads' results: the layer's output.",
@@ -187,7 +179,7 @@ def select(steps: list[Step], keys: Sequence[str] | None) -> list[Step]:
     return [s for s in steps if s.key in set(keys)]
 
 
-def record_steps(record: AttentionRecord, head: int, tokens: Sequence[str], batch_index: int = 0) -> list[Step]:
+def record_steps(record: AttentionRecord, head: int, batch_index: int = 0) -> list[Step]:
     """The walkthrough of one head of a traced layer (see :func:`attnkit.trace`)."""
     heads = record.num_heads
     if not 0 <= head < heads:

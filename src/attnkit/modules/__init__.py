@@ -1,7 +1,8 @@
-"""The production layer: MultiHeadAttention, its KV cache, and converters."""
+"""The production layers: MultiHeadAttention, CrossAttention, the KV cache, and converters."""
 
-from .attention import MultiHeadAttention
+from .attention import MultiHeadAttention, Parallel
 from .convert import from_textbook, from_torch, to_torch
+from .cross import CrossAttention
 from .kv_cache import KVCache
 
-__all__ = ["KVCache", "MultiHeadAttention", "from_textbook", "from_torch", "to_torch"]
+__all__ = ["CrossAttention", "KVCache", "MultiHeadAttention", "Parallel", "from_textbook", "from_torch", "to_torch"]

@@ -14,6 +14,7 @@ from torch import nn
 from attnkit import textbook
 
 from .attention import MultiHeadAttention
+from .cross import CrossAttention
 
 
 def _copy_(target: torch.Tensor, source: torch.Tensor | None) -> None:
@@ -21,20 +22,41 @@ def _copy_(target: torch.Tensor, source: torch.Tensor | None) -> None:
         target.copy_(source if source is not None else torch.zeros_like(target))
 
 
-def from_torch(m: nn.MultiheadAttention, *, causal: bool = False, backend: str = "auto") -> MultiHeadAttention:
+def _copy_in_proj(layer: MultiHeadAttention | CrossAttention, m: nn.MultiheadAttention) -> None:
+    """torch's input projections -> attnkit's (fused qkv_proj, or q_proj and kv_proj)."""
+    e, bias = m.embed_dim, m.in_proj_bias
+    if isinstance(layer, MultiHeadAttention):
+        _copy_(layer.qkv_proj.weight, m.in_proj_weight)  # (3E, E): rows q, k, v, as in attnkit
+        if bias is not None:
+            _copy_(layer.qkv_proj.bias, bias)
+        return
+    fused = m._qkv_same_embed_dim
+    w_q, w_k, w_v = m.in_proj_weight.chunk(3) if fused else (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)
+    _copy_(layer.q_proj.weight, w_q)
+    _copy_(layer.kv_proj.weight, torch.cat([w_k, w_v]))  # (2E, kdim)
+    if bias is not None:
+        _copy_(layer.q_proj.bias, bias[:e])
+        _copy_(layer.kv_proj.bias, bias[e:])
+
+
+def from_torch(m: nn.MultiheadAttention, *, causal: bool = False, backend: str = "auto",
+               cross: bool | None = None) -> MultiHeadAttention | CrossAttention:
     """An attnkit layer computing the same function as ``m``.
 
     attnkit layers are batch-first: for a module with ``batch_first=False``,
-    transpose its (T, B, E) inputs to (B, T, E). Masks flip polarity, because
-    in attnkit True means *may attend*::
+    the attnkit layer computes the same function on inputs transposed from
+    (T, B, E) to (B, T, E) (and ``to_torch(batch_first=False)`` gives such a
+    module back). Masks flip polarity, because in attnkit True means *may
+    attend*::
 
         out, _ = m(x, x, x, key_padding_mask=pad, attn_mask=blocked)   # torch: True = blocked
         out = layer(x, key_mask=~pad, attn_mask=~blocked)              # attnkit: True = may attend
 
     A float ``attn_mask`` is additive in both and passes unchanged; ``causal=True``
     replaces torch's ``is_causal=True`` plus a causal ``attn_mask``. A module
-    with ``kdim``/``vdim`` set becomes a cross-attention layer; call it as
-    ``layer(x, context)`` where torch had ``m(x, context, context)``.
+    with ``kdim``/``vdim`` set (or any module, with ``cross=True``) becomes a
+    :class:`~attnkit.CrossAttention`; call it as ``layer(x, context)`` where
+    torch had ``m(x, context, context)``.
     """
     if not isinstance(m, nn.MultiheadAttention):
         raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}")
@@ -42,33 +64,37 @@ def from_torch(m: nn.MultiheadAttention, *, causal: bool = False, backend: str =
         raise ValueError("add_bias_kv and add_zero_attn have no equivalent in attnkit")
     if m.kdim != m.vdim:
         raise ValueError(f"kdim={m.kdim} and vdim={m.vdim} differ: an attnkit layer attends to one context")
-    e, qkv_bias = m.embed_dim, m.in_proj_bias is not None
-    same = m._qkv_same_embed_dim
-    layer = MultiHeadAttention(e, e, m.num_heads, causal=causal, dropout=m.dropout, qkv_bias=qkv_bias,
-                               out_bias=m.out_proj.bias is not None, backend=backend,
-                               d_context=None if same else m.kdim)
-    weight = m.out_proj.weight
-    layer.to(device=weight.device, dtype=weight.dtype).train(m.training)
-    bias = m.in_proj_bias
-    if layer.qkv_proj is not None:
-        _copy_(layer.qkv_proj.weight, m.in_proj_weight)  # (3E, E): rows q, k, v, as in attnkit
-        if bias is not None:
-            _copy_(layer.qkv_proj.bias, bias)
+    cross = not m._qkv_same_embed_dim if cross is None else cross
+    e, weight = m.embed_dim, m.out_proj.weight
+    options = dict(dropout=m.dropout, qkv_bias=m.in_proj_bias is not None, out_bias=m.out_proj.bias is not None,
+                   backend=backend, device=weight.device, dtype=weight.dtype)
+    layer: MultiHeadAttention | CrossAttention
+    if cross:
+        if causal:
+            raise ValueError("a cross-attention layer is not causal: pass causal=False")
+        layer = CrossAttention(e, e, m.num_heads, d_context=m.kdim, **options)
     else:
-        assert layer.q_proj is not None and layer.kv_proj is not None
-        _copy_(layer.q_proj.weight, m.q_proj_weight)
-        _copy_(layer.kv_proj.weight, torch.cat([m.k_proj_weight, m.v_proj_weight]))  # (2E, kdim)
-        if bias is not None:
-            _copy_(layer.q_proj.bias, bias[:e])
-            _copy_(layer.kv_proj.bias, bias[e:])
+        layer = MultiHeadAttention(e, e, m.num_heads, causal=causal, **options)
+    layer.train(m.training)
+    _copy_in_proj(layer, m)
     _copy_(layer.out_proj.weight, weight)
     if m.out_proj.bias is not None:
         _copy_(layer.out_proj.bias, m.out_proj.bias)
     return layer
 
 
-def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
-    """A ``torch.nn.MultiheadAttention`` (batch_first=True) computing the same function.
+def _check_torch_equivalent(layer: MultiHeadAttention | CrossAttention) -> None:
+    if layer.num_kv_heads != layer.num_heads:
+        raise ValueError(f"torch.nn.MultiheadAttention has no grouped-query heads "
+                         f"(num_kv_heads={layer.num_kv_heads} != num_heads={layer.num_heads})")
+    if isinstance(layer, MultiHeadAttention) and (layer.rope is not None or layer.window is not None):
+        raise ValueError("torch.nn.MultiheadAttention has no rotary embedding or sliding window")
+    if layer.d_in != layer.d_out:
+        raise ValueError(f"torch.nn.MultiheadAttention needs d_in == d_out, got {layer.d_in} and {layer.d_out}")
+
+
+def to_torch(layer: MultiHeadAttention | CrossAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
+    """A ``torch.nn.MultiheadAttention`` computing the same function (on (T, B, E) inputs if not batch_first).
 
     torch's module has one ``bias`` flag for both projections: if only one of
     attnkit's projections has a bias, the other gets a zero bias. torch's
@@ -77,32 +103,28 @@ def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
     Grouped-query heads, rotary embedding, a sliding window and
     d_in != d_out have no equivalent there and raise.
     """
-    if layer.num_kv_heads != layer.num_heads:
-        raise ValueError(f"torch.nn.MultiheadAttention has no grouped-query heads "
-                         f"(num_kv_heads={layer.num_kv_heads} != num_heads={layer.num_heads})")
-    if layer.rope is not None or layer.window is not None:
-        raise ValueError("torch.nn.MultiheadAttention has no rotary embedding or sliding window")
-    if layer.d_in != layer.d_out:
-        raise ValueError(f"torch.nn.MultiheadAttention needs d_in == d_out, got {layer.d_in} and {layer.d_out}")
-    weight = layer.out_proj.weight
-    projections = [p for p in (layer.qkv_proj, layer.q_proj, layer.kv_proj) if p is not None]
-    has_bias = layer.out_proj.bias is not None or projections[0].bias is not None
-    m = nn.MultiheadAttention(layer.d_out, layer.num_heads, dropout=layer.dropout, bias=has_bias,
-                              batch_first=True, kdim=layer.d_context, vdim=layer.d_context,
-                              device=weight.device, dtype=weight.dtype)
-    m.train(layer.training)
-    e = layer.d_out
-    in_bias: torch.Tensor | None
-    if layer.qkv_proj is not None:
-        _copy_(m.in_proj_weight, layer.qkv_proj.weight)
-        in_bias = layer.qkv_proj.bias
+    _check_torch_equivalent(layer)
+    weight, e = layer.out_proj.weight, layer.d_out
+    projections: list[nn.Linear]
+    if isinstance(layer, CrossAttention):
+        projections, kdim = [layer.q_proj, layer.kv_proj], layer.d_context
+        w_q, w_kv = layer.q_proj.weight, layer.kv_proj.weight  # (E, E), (2E, kdim)
     else:
-        assert layer.q_proj is not None and layer.kv_proj is not None
-        _copy_(m.q_proj_weight, layer.q_proj.weight)
-        _copy_(m.k_proj_weight, layer.kv_proj.weight[:e])
-        _copy_(m.v_proj_weight, layer.kv_proj.weight[e:])
-        in_bias = None if layer.q_proj.bias is None else torch.cat([layer.q_proj.bias, layer.kv_proj.bias])
+        projections, kdim = [layer.qkv_proj], None
+        w_q, w_kv = layer.qkv_proj.weight.split([e, 2 * e])  # (3E, E) -> (E, E), (2E, E)
+    has_bias = layer.out_proj.bias is not None or projections[0].bias is not None
+    m = nn.MultiheadAttention(e, layer.num_heads, dropout=layer.dropout, bias=has_bias, batch_first=batch_first,
+                              kdim=kdim, vdim=kdim, device=weight.device, dtype=weight.dtype)
+    m.train(layer.training)
+    if m._qkv_same_embed_dim:  # torch fuses in_proj_weight when kdim = vdim = embed_dim
+        _copy_(m.in_proj_weight, torch.cat([w_q, w_kv]))  # (3E, E): rows q, k, v
+    else:
+        _copy_(m.q_proj_weight, w_q)
+        _copy_(m.k_proj_weight, w_kv[:e])
+        _copy_(m.v_proj_weight, w_kv[e:])
     if has_bias:
+        biases = [p.bias for p in projections if p.bias is not None]
+        in_bias = torch.cat(tuple(biases)) if len(biases) == len(projections) else None
         _copy_(m.in_proj_bias, in_bias)
         _copy_(m.out_proj.bias, layer.out_proj.bias)
     _copy_(m.out_proj.weight, weight)
@@ -116,7 +138,6 @@ def _heads_to_layer(heads: list[textbook.CausalAttention]) -> MultiHeadAttention
     layer = MultiHeadAttention(first.d_in, d_out, len(heads), causal=True, dropout=first.dropout.p,
                                qkv_bias=first.W_query.bias is not None)
     layer.to(device=first.W_query.weight.device, dtype=first.W_query.weight.dtype)
-    assert layer.qkv_proj is not None
     parts = [torch.cat([getattr(h, name).weight for h in heads]) for name in ("W_query", "W_key", "W_value")]
     _copy_(layer.qkv_proj.weight, torch.cat(parts))  # 3 x (H*D, d_in) -> (3*H*D, d_in)
     if layer.qkv_proj.bias is not None:
@@ -144,7 +165,6 @@ def from_textbook(m: nn.Module) -> MultiHeadAttention:
         layer = MultiHeadAttention(m.d_in, m.d_out, m.num_heads, causal=True, dropout=m.dropout.p,
                                    qkv_bias=m.W_query.bias is not None)
         layer.to(device=m.out_proj.weight.device, dtype=m.out_proj.weight.dtype)
-        assert layer.qkv_proj is not None
         _copy_(layer.qkv_proj.weight, torch.cat([m.W_query.weight, m.W_key.weight, m.W_value.weight]))
         if m.W_query.bias is not None:
             _copy_(layer.qkv_proj.bias, torch.cat([m.W_query.bias, m.W_key.bias, m.W_value.bias]))

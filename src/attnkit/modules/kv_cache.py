@@ -31,6 +31,11 @@ class KVCache:
     sequence (same batch size or a new one); ``crop(n)`` rewinds it to its
     first n positions. Held keys and values are constants: gradients reach
     only those of the current call.
+
+    A cache belongs to the first layer that writes to it (a model uses one
+    cache per layer); another layer writing to it is an error, until
+    ``reset()``. A cache filled under ``torch.inference_mode()`` may be used
+    outside it: its storage is then copied once into ordinary tensors.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -40,6 +45,7 @@ class KVCache:
         self._k: Tensor | None = None
         self._v: Tensor | None = None
         self._length = 0
+        self._owner: int | None = None  # id() of the layer that writes to this cache
 
     def __len__(self) -> int:
         return self._length
@@ -58,10 +64,33 @@ class KVCache:
         """The values held, (B, G, S, Dv), or None before the first append."""
         return None if self._v is None else self._v[:, :, : self._length]
 
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles belong to no layer yet (the original's layer is not theirs)."""
+        return {**self.__dict__, "_owner": None}
+
     def reset(self) -> None:
-        """Forget every position (keeps no storage)."""
+        """Forget every position and the layer it belonged to (keeps no storage)."""
         self._k = self._v = None
         self._length = 0
+        self._owner = None
+
+    def claim(self, layer: object) -> tuple[int, int | None, Tensor | None, Tensor | None]:
+        """Mark ``layer`` as this cache's writer (or raise if another layer is); return a checkpoint.
+
+        :meth:`restore` with the checkpoint undoes everything a call did,
+        so a layer call that raises leaves the cache as it was.
+        """
+        if self._owner is not None and self._owner != id(layer):
+            raise ValueError(f"this KVCache already holds the keys of another layer ({self._length} positions); "
+                             "a model needs one KVCache per layer (e.g. [KVCache() for _ in layers]), "
+                             "or call cache.reset() to reuse it for a new sequence")
+        checkpoint = (self._length, self._owner, self._k, self._v)
+        self._owner = id(layer)
+        return checkpoint
+
+    def restore(self, checkpoint: tuple[int, int | None, Tensor | None, Tensor | None]) -> None:
+        """Go back to the state :meth:`claim` saved (positions past it are forgotten)."""
+        self._length, self._owner, self._k, self._v = checkpoint
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` positions (to rewind, e.g. after a rejected draft)."""
@@ -97,9 +126,16 @@ class KVCache:
             new_v[:, :, : self._length] = self._v[:, :, : self._length]
         self._k, self._v = new_k, new_v
 
+    def _leave_inference_mode(self) -> None:
+        """Storage made under ``torch.inference_mode()`` cannot be written outside it: copy it once."""
+        if self._k is not None and self._v is not None and self._k.is_inference() \
+                and not torch.is_inference_mode_enabled():
+            self._k, self._v = self._k.clone(), self._v.clone()
+
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, G, T, D) after the positions held; return all keys and values held."""
         self._check(k, v)
+        self._leave_inference_mode()
         needed = self._length + k.shape[2]
         if self.capacity is not None and needed > self.capacity:
             raise ValueError(f"KVCache capacity {self.capacity} exceeded: it holds {self._length} "

@@ -1,0 +1,102 @@
+"""What every attnkit attention layer shares: heads, the output projection, and the call to attention().
+
+:class:`~attnkit.MultiHeadAttention` (self-attention) and
+:class:`~attnkit.CrossAttention` differ only in how they make queries, keys
+and values; both then go through :meth:`AttentionHeads.attend`, the one path
+from a layer to :func:`attnkit.backends.run`.
+
+Notation (shape comments): B batch, T queries, S keys, H query heads,
+G key/value heads, D head dim, C = H * D = d_out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnkit.backends import check_backend, check_options, make_call, run
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    return value
+
+
+class AttentionHeads(nn.Module):
+    """Base of attnkit's layers: H query heads over G key/value heads, and ``out_proj``.
+
+    Subclasses make q (B, H, T, D) and k, v (B, G, S, D) and call
+    :meth:`attend`. Options are checked here once, with the backends' own
+    checks (:func:`attnkit.backends.check_options`, ``check_backend``).
+    """
+
+    def __init__(self, d_in: int, d_out: int, num_heads: int, *, num_kv_heads: int | None, causal: bool,
+                 window: int | None, dropout: float, out_bias: bool, backend: str,
+                 factory: dict[str, Any]) -> None:
+        super().__init__()
+        for name, value in (("d_in", d_in), ("d_out", d_out), ("num_heads", num_heads)):
+            positive_int(name, value)
+        if d_out % num_heads:
+            raise ValueError(f"d_out={d_out} is not divisible by num_heads={num_heads}")
+        if num_kv_heads is not None and num_heads % positive_int("num_kv_heads", num_kv_heads):
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        check_options(causal=causal, window=window, dropout_p=dropout, dropout_name="dropout")
+        check_backend(backend, dropout_p=float(dropout))
+        self.d_in, self.d_out, self.num_heads = d_in, d_out, num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.head_dim = d_out // num_heads
+        self.causal, self.window, self.dropout, self.backend = causal, window, float(dropout), backend
+        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias, **factory)
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every projection as the constructor does (e.g. after ``to_empty()``)."""
+        for module in self.children():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        raise TypeError(f"{type(self).__name__} does not support TorchScript (torch.jit.script); "
+                        "use torch.compile(layer) instead, which attnkit supports and tests")
+
+    def _heads_repr(self) -> str:
+        return (f"d_in={self.d_in}, d_out={self.d_out}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+
+    def split(self, x: Tensor, heads: int) -> Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, heads, self.head_dim).transpose(1, 2)  # (B, S, heads * D) -> (B, heads, S, D)
+
+    def check_x(self, x: object, name: str = "x", width: int | None = None) -> Tensor:
+        """x must be (B, T, width) with T >= 1, in the weights' dtype and on their device."""
+        width = self.d_in if width is None else width
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != width or x.shape[1] == 0:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            label = "d_in" if name == "x" else "d_context"
+            raise ValueError(f"{name} must be a (B, T, {label}={width}) tensor with T >= 1, got {shape}")
+        weight = self.out_proj.weight
+        if (x.dtype, x.device) != (weight.dtype, weight.device):
+            raise ValueError(f"{name} is {x.dtype} on {x.device} but the layer's weights are {weight.dtype} on "
+                             f"{weight.device}; move one to the other (e.g. layer.to({name}.dtype))")
+        return x
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, key_mask: object, attn_mask: object,
+               need_weights: object) -> Tensor | tuple[Tensor, Tensor]:
+        """Attention over q (B, H, T, D), k, v (B, G, S, D), merged and projected: (B, T, d_out)."""
+        if not isinstance(need_weights, bool):
+            raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
+        call = make_call(q, k, v, mask=attn_mask, key_mask=key_mask, causal=self.causal, window=self.window,
+                         dropout_p=self.dropout if self.training else 0.0, mask_name="attn_mask")
+        result = run(call, backend=self.backend, return_weights=need_weights)
+        out, weights = result if isinstance(result, tuple) else (result, None)
+        b, _, t, _ = q.shape
+        out = out.transpose(1, 2).reshape(b, t, self.d_out)  # (B, H, T, D) -> (B, T, H, D) -> (B, T, C)
+        out = self.out_proj(out)  # (B, T, C) -> (B, T, d_out)
+        return (out, weights) if weights is not None else out
+
+
+def factory_kwargs(device: torch.device | str | None, dtype: torch.dtype | None) -> dict[str, Any]:
+    """``device=`` and ``dtype=`` for parameters, as ``nn.Linear`` takes them."""
+    return {"device": device, "dtype": dtype}
