@@ -141,3 +141,76 @@ def test_missing_optional_dependency_names_the_extra(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "rich.console", None)
     code, _, err = run(capsys)
     assert code == 2 and "pip install 'attnkit[cli]'" in err
+
+
+# Issue 13, item 11: the user's text is data, every error is one line and exit code 2.
+
+@pytest.mark.parametrize("words", [["[/red]", "hi"], ["[red]", "cat"], ["\\", "[/]", "[bold"]])
+def test_user_text_is_not_read_as_rich_markup(capsys, words):
+    """`attnkit explain "[/red]" hi` ended in a MarkupError; `[red]` vanished from every table."""
+    code, out, err = run(capsys, *words, "--steps", "inputs,softmax")
+    assert code == 0, err
+    assert f"text:  {' '.join(words)}  ({len(words)} tokens)" in out
+    rows = [line.split()[0] for line in out.splitlines() if line[:1].strip() and line.split()[0] in words]
+    assert rows == words * 3  # each token labels its row: in the inputs table, then in each head's weights
+    headers = [line.split() for line in out.splitlines() if line[:1] == " " and line.split()[:1] == words[:1]]
+    assert headers == [words, words]  # and its column, in each head's weights
+
+
+def test_model_text_keeps_its_brackets(capsys):
+    """`--model minilm "[MASK] sat on [red] mat"` swallowed `[red]`."""
+    code, out, _ = run(capsys, "--model", "minilm", "[MASK] sat on [red] mat", "--steps", "softmax")
+    assert code == 0
+    assert "text:  [MASK] sat on [red] mat  (" in out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--layer", "0"], "--layer applies to a real model"),
+    (["--head", "0"], "--head applies to a real model"),
+    (["--model", "minilm", "--seed", "0"], "--seed sets up the toy layer"),
+    (["--model", "minilm", "--dropout", "0"], "--dropout sets up the toy layer"),
+    (["--model", "minilm", "--heads", "0"], "--heads sets up the toy layer"),
+])
+def test_zero_counts_as_given_like_one(capsys, args, message):
+    """`--layer 0` without --model was accepted where `--layer 1` was refused: 0 was read as "not given"."""
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == "" and message in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--steps", ",,"], "--steps ',,' names no step; choose from: inputs, weights"),
+    (["--seed", "99999999999999999999"], "seed=99999999999999999999 is out of range"),
+    (["--d-out", "1000000", "--heads", "1"], "d_out=1000000 is too large for the toy walkthrough"),
+    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--model", "gpt5"], "argument --model: invalid choice: 'gpt5'"),
+])
+def test_errors_are_one_line_and_exit_code_2(capsys, args, message):
+    """`--steps ,,` printed nothing at all; a huge seed or width ended in a traceback; usage errors took lines."""
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("attnkit explain: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_bench_device_without_cuda_is_one_line(capsys, monkeypatch, tmp_path):
+    """`attnkit bench --device cuda` on a CPU-only torch ended in a raw traceback."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = cli.main(["bench", "--device", "cuda", "--no-memory", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--device cuda: this torch" in err and "use --device cpu" in err
+    assert cli.main(["bench", "--device", "nowhere", "--out", str(tmp_path)]) == 2
+    assert "--device 'nowhere' is not a device torch knows" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_bench_plot_hint_names_the_viz_extra(capsys, monkeypatch, tmp_path):
+    """Without matplotlib the hint printed `pip install 'attnkit'`: rich took `[viz]` for markup."""
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    code = cli.main(["bench", "--suite", "custom", "--contenders", "core-chunked", "--seq-lens", "16",
+                     "--repeats", "1", "--no-memory", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "no plots:" in out and "pip install 'attnkit[viz]'" in " ".join(out.split())

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from attnkit import cli
-from attnkit.bench import cases, report, runner
+from attnkit.bench import cases, command, report, runner
 from attnkit.bench.cases import Case
+from attnkit.bench.contenders import CONTENDERS, Contender
 
 
 def test_flops_and_estimates():
@@ -94,8 +97,14 @@ def test_suite_selection():
     parser = cli.build_parser()
     assert parser.parse_args(["bench"]).suite == "full"
     assert parser.parse_args(["bench", "--quick"]).suite == "quick"
-    assert cli._bench_cases(parser.parse_args(["bench", "--quick"])) == cases.quick()
-    assert cli._bench_cases(parser.parse_args(["bench", "--suite", "targets"])) == cases.targets()
+
+    def selected(*args):
+        return command.select_cases(command.Options.from_namespace(parser.parse_args(["bench", *args])))
+
+    assert selected("--quick") == cases.quick()
+    assert selected("--suite", "targets") == cases.targets()
+    assert selected("--suite", "padding", "--seq-lens", "1024", "--modes", "training") == [
+        Case(c, "training", 1, 1024) for c in cases.PADDED]
 
 
 def test_targets_suite_holds_every_pairing_the_targets_compare():
@@ -112,7 +121,62 @@ def test_targets_suite_holds_every_pairing_the_targets_compare():
     (["--modes", "eval"], "unknown mode(s) eval"),
     (["--quick", "--seq-lens", "3"], "no case of the quick suite matches"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--baseline", "core-auto"], "--baseline 'core-auto' is not a layer contender"),
 ])
 def test_bench_bad_input(capsys, args, message):
     assert cli.main(["bench", "--no-memory", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def my_kernel(monkeypatch):
+    """A core contender whose name says nothing of its kind."""
+    kernel = Contender("my-kernel", "a kernel", CONTENDERS["core-chunked"].build, kind="core")
+    monkeypatch.setitem(CONTENDERS, "my-kernel", kernel)
+    return kernel
+
+
+def test_behaviour_follows_the_contenders_kind_not_its_name(my_kernel):
+    """Flops, modes, baselines and plots were keyed on name prefixes ("core-", "decode-", "hf")."""
+    case = Case("my-kernel", "inference", 2, 128, d_model=64, num_heads=4)
+    assert runner.flops(case) == 4 * 2 * 128 * 128 * 64 / 2  # attention only: no projections
+    assert cases.grid(["my-kernel"], ["decode", "inference"], [1], [8]) == [Case("my-kernel", "inference", 1, 8)]
+    result = runner.run_case(Case("my-kernel", "inference", 1, 16), repeats=1, warmup=0, memory=False, max_bytes=1)
+    assert result.status == "ok" and result.to_dict()["kind"] == "core"
+    ratios = report.with_ratios([{**result.to_dict(), "median_ms": 2.0},
+                                 {**result.to_dict(), "contender": "core-auto", "median_ms": 1.0}])
+    assert ratios[0]["baseline"] == "core-auto" and ratios[0]["vs_baseline"] == 2.0
+    decoder = CONTENDERS["decode-hf-gpt2-sdpa-cache"]
+    assert decoder.kind == "decode" and decoder.requires == "transformers" and decoder.per_call > 1
+
+
+def test_unknown_contender_in_a_grid_is_named():
+    with pytest.raises(ValueError, match=r"unknown contender\(s\) nope; choose from: attnkit"):
+        cases.grid(["attnkit", "nope"], ["inference"], [1], [8])
+
+
+def test_a_row_suite_is_one_registry_entry(monkeypatch, tmp_path, capsys):
+    """Suites that time themselves (generate, ring) plug in with one entry of ROW_SUITES."""
+    seen = []
+
+    def fake(options):
+        seen.append(options)
+        return [{"name": "[red]step", "tokens_per_s": 12.5}, {"name": "b", "tokens_per_s": None, "extra": [1, 2]}]
+
+    monkeypatch.setitem(command.ROW_SUITES, "fake", fake)
+    assert cli.main(["bench", "--suite", "fake", "--dtype", "float64", "--out", str(tmp_path)]) == 0
+    assert seen[0].dtype == "float64"
+    out = capsys.readouterr().out
+    assert "[red]step" in out and "12.5" in out and "extra" in out
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["suite"] == "suite fake" and doc["results"][1]["extra"] == [1, 2]
+    assert "| name | tokens_per_s | extra |" in (tmp_path / "summary.md").read_text()
+
+
+def test_python_dash_m_attnkit_bench_does_not_import_the_cli():
+    """bench/__main__ imported attnkit.cli: the one import that ran up the layers."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "attnkit.bench", "--help"],
+                          capture_output=True, text=True, check=True)
+    assert "--suite" in proc.stdout
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "attnkit.bench.command" in imported and "attnkit.cli" not in imported

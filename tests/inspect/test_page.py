@@ -104,3 +104,12 @@ def test_hovering_a_token_draws_its_weights(browser, tmp_path):
     assert (tmp_path / "head-view.png").read_bytes()[:4] == b"\x89PNG"
     assert errors == [] and all(url.startswith("file://") for url in requests)
     page.close()
+
+
+def test_title_holding_the_data_placeholder_keeps_the_json_out_of_the_title():
+    """A text containing `__DATA__` put the page's JSON into its <title> (issue 13, item 12)."""
+    tokens = ["__DATA__", "__TITLE__", "c", "d", "e"]
+    page = render_page(tokens, _layers()[:1], title="see __DATA__ and __TITLE__")
+    assert "<title>see __DATA__ and __TITLE__</title>" in page
+    assert page.count('"layers":') == 1
+    assert _data(page)["tokens"] == tokens

@@ -61,3 +61,16 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
     with pytest.raises(ImportError, match=r"needs the optional package 'matplotlib', which is not installed: "
                                           r"pip install 'attnkit\[viz\]'"):
         plot_heads(torch.rand(1, 2, 2), ["a", "b"])
+
+
+def test_dollar_signs_in_tokens_and_titles_are_not_math_text(tmp_path):
+    """A token or title with `$` was parsed as matplotlib math text: `$\\frac$` failed at savefig."""
+    from attnkit.inspect.plot import plot_heads, plot_model_view
+
+    tokens = ["$x$", "$\\frac$", "costs $5"]
+    fig = plot_heads(torch.rand(1, 3, 3), tokens, title="price in $ and $\\alpha")
+    fig.savefig(tmp_path / "heads.png")
+    panel = next(ax for ax in fig.axes if ax.get_images())
+    labels = [t.get_text() for t in panel.get_yticklabels()]
+    assert [label.replace("\\$", "$") for label in labels] == tokens
+    plot_model_view(torch.rand(1, 1, 3, 3), tokens, layer_names=["$\\frac$"]).savefig(tmp_path / "model.png")

@@ -76,3 +76,63 @@ def test_transfer_refuses_bias_and_mismatched_shapes():
     expected = r"SelfAttention_v2\(d_in=3, d_out=2\) vs SelfAttention_v1\(d_in=3, d_out=4\)"
     with pytest.raises(ValueError, match=expected):
         tb.transfer_v2_to_v1(tb.SelfAttention_v2(3, 2), tb.SelfAttention_v1(3, 4))
+
+
+# Issue 13, item 12, and issue 14, item 4.
+
+def test_loops_accept_the_batched_input_the_module_docstring_promises():
+    """attn_scores_loop and context_vec_loop failed on (B, T, d) input."""
+    batch = torch.randn(2, 5, 3, dtype=torch.float64)
+    torch.testing.assert_close(tb.attn_scores_loop(batch), tb.attn_scores_matrix(batch))
+    weights = torch.softmax(torch.randn(2, 5, dtype=torch.float64), dim=-1)
+    expected = (weights[:, :, None] * batch).sum(1)  # (B, T, 1) * (B, T, d) -> (B, d)
+    torch.testing.assert_close(tb.context_vec_loop(batch, weights), expected)
+    torch.testing.assert_close(tb.attn_scores_for_query_loop(batch, batch[:, 1]), tb.attn_scores_for_query(
+        batch, batch[:, 1, :, None])[..., 0])
+    with pytest.raises(ValueError, match=r"attn_scores_loop: inputs must be \(T, d\) or \(B, T, d\), got \(3,\)"):
+        tb.attn_scores_loop(torch.randn(3))
+
+
+def test_softmax_stable_on_empty_and_integer_tensors():
+    """An empty tensor gave IndexError, an integer one a finfo TypeError."""
+    for shape in [(3, 0), (0, 3), (0,)]:
+        assert tb.softmax_stable(torch.empty(shape)).shape == shape
+    with pytest.raises(TypeError, match=r"softmax_stable needs a floating-point tensor, got torch.int64"):
+        tb.softmax_stable(torch.ones(3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("layer", [
+    tb.SelfAttention_v1(3, 2), tb.SelfAttention_v2(3, 2), tb.CausalAttention(3, 2, 6, 0.0),
+    tb.MultiHeadAttention(3, 4, 6, 0.0, 2), tb.PerHeadAttention(3, 2, 2), tb.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2),
+])
+def test_float64_input_to_a_float32_layer_names_both_dtypes(layer):
+    """torch's bare "mat1 and mat2 must have the same dtype" came instead."""
+    with pytest.raises(TypeError, match=r"x has dtype torch.float64 but this layer's weights are torch.float32"):
+        layer(tb.book_inputs(torch.float64))
+    assert layer.double()(tb.book_inputs(torch.float64)).dtype == torch.float64
+
+
+def test_finiteness_pass_is_skipped_off_the_cpu_unless_asked():
+    """check_input ran a full isfinite pass (a device sync off the CPU) on every forward."""
+    from attnkit.textbook._checks import check_input
+
+    x = tb.book_inputs()
+    x[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"non-finite"):
+        check_input(x, 3)  # on the CPU: checked by default
+    assert check_input(x, 3, finite=False).shape == (1, 6, 3)
+    seen = []
+    real_isfinite = torch.isfinite
+
+    def spy(t):
+        seen.append(t.device.type)
+        return real_isfinite(t)
+
+    torch.isfinite = spy
+    try:
+        check_input(torch.full((6, 3), float("nan"), device="meta"), 3)
+        with pytest.raises(ValueError, match=r"non-finite"):
+            check_input(x, 3, finite=True)
+    finally:
+        torch.isfinite = real_isfinite
+    assert seen == ["cpu", "cpu"]  # not for the meta tensor (any non-CPU device), twice for finite=True's count

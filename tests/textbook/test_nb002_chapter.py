@@ -193,10 +193,17 @@ def test_in35_to_in36_dropout_on_ones_then_on_the_weights():
     )
 
 
-def test_in41_causal_attention_shape():
+def test_in41_causal_attention_shape_and_values():
+    """The notebook prints only the shape; the values are checked against a float64 causal attention."""
     torch.manual_seed(123)
     ca = tb.CausalAttention(3, 2, 6, dropout=0.0)
-    assert ca(tb.book_batch()).shape == (2, 6, 2)
+    context_vecs = ca(tb.book_batch())
+    assert context_vecs.shape == (2, 6, 2)
+    x = tb.book_inputs(torch.float64)
+    q, k, v = (x @ getattr(ca, name).weight.double().T for name in ("W_query", "W_key", "W_value"))  # (6, 2)
+    future = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    expected = torch.softmax((q @ k.T / 2**0.5).masked_fill(future, -torch.inf), dim=-1) @ v  # (6, 2)
+    torch.testing.assert_close(context_vecs, expected.float().expand(2, 6, 2))
 
 
 def test_in43_four_causal_heads_concatenated():

@@ -5,13 +5,17 @@
     python -m attnkit.bench      # the same command
 
 Results go to ``bench-out/``: ``results.json``, ``summary.md``, ``time.png``
-and ``memory.png``.
+and ``memory.png``. :mod:`.command` runs a suite, :mod:`.cases` names the
+suites' cases, :mod:`.contenders` builds what they time, :mod:`.runner` times
+them and :mod:`.report` shows the results.
 """
 
 from __future__ import annotations
 
 from .cases import SUITES, Case, grid
-from .contenders import CONTENDERS
+from .command import ROW_SUITES, Options, run
+from .contenders import CONTENDERS, Contender
 from .runner import Result, environment, matmul_gflops, run_case
 
-__all__ = ["CONTENDERS", "SUITES", "Case", "Result", "environment", "grid", "matmul_gflops", "run_case"]
+__all__ = ["CONTENDERS", "ROW_SUITES", "SUITES", "Case", "Contender", "Options", "Result", "environment", "grid",
+           "matmul_gflops", "run", "run_case"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from attnkit.cli import main
+from attnkit.bench.command import main
 
-sys.exit(main(["bench", *sys.argv[1:]]))
+sys.exit(main())

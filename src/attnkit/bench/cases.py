@@ -5,12 +5,17 @@ no_grad, forward), ``training`` (train mode, forward + backward) and
 ``decode`` (per-token latency at a context length, see :mod:`.decode`).
 Layer cases use GPT-2 small's width (d_model 768, 12 heads, causal); core
 cases time the attention kernel on (B, 12, T, 64).
+
+Suites here are lists of cases, timed by :mod:`.runner`; suites that time
+themselves and return their own rows are registered in :mod:`.command`.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+
+from .contenders import CONTENDERS
 
 MODES = ("inference", "training", "decode")
 
@@ -39,9 +44,12 @@ class Case:
 
 
 def grid(contenders: list[str], modes: list[str], batches: list[int], seq_lens: list[int]) -> list[Case]:
-    """Every combination, except that decode-* contenders only decode and the others never do."""
+    """Every combination of these, in the modes each contender runs (decode contenders only decode)."""
+    unknown = [c for c in contenders if c not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"unknown contender(s) {', '.join(unknown)}; choose from: {', '.join(sorted(CONTENDERS))}")
     return [Case(c, m, b, t) for m in modes for b in batches for t in seq_lens for c in contenders
-            if c.startswith("decode-") == (m == "decode")]
+            if m in CONTENDERS[c].modes]
 
 
 LAYER_RIVALS = ["attnkit", "raw-sdpa", "torch-mha", "torch-mha-is-causal", "textbook-mha", "attnkit-chunked"]
@@ -51,6 +59,7 @@ EVERY_LAYER = ["attnkit", "attnkit-sdpa", "attnkit-chunked", "attnkit-math", "ra
 CORES = ["core-auto", "core-sdpa", "core-chunked", "core-torch-sdpa", "core-math"]
 DECODERS = ["decode-attnkit-cache", "decode-attnkit-recompute", "decode-hf-gpt2-eager-cache",
             "decode-hf-gpt2-sdpa-cache"]
+PADDED = ["attnkit", "attnkit-padded", "core-auto", "core-auto-padded", "core-sdpa-padded", "core-chunked-padded"]
 
 
 def quick() -> list[Case]:
@@ -69,6 +78,7 @@ def full() -> list[Case]:
     cases += grid(EVERY_LAYER, ["inference", "training"], [8], [128])
     cases += grid(CORES, ["inference", "training"], [1], [1024, 4096, 16384])
     cases += grid(DECODERS, ["decode"], [1], [1024, 4096, 16384])
+    cases += padding()
     return list(dict.fromkeys(cases))  # without repeats, in order
 
 
@@ -82,4 +92,13 @@ def targets() -> list[Case]:
     return list(dict.fromkeys(cases))
 
 
-SUITES = {"quick": quick, "full": full, "targets": targets}
+def padding() -> list[Case]:
+    """Causal attention with a key padding mask (the common training case) beside causal alone.
+
+    Time and peak memory of the layer and the kernels, where "auto" must not build a
+    dense (B, 1, T, S) mask that chunked avoids (issue 13, item 13).
+    """
+    return grid(PADDED, ["inference", "training"], [1], [1024, 4096, 8192])
+
+
+SUITES = {"quick": quick, "full": full, "targets": targets, "padding": padding}

@@ -1,22 +1,28 @@
 """The attention implementations the benchmark compares, all with the same weights.
 
-Every layer contender is built from one reference :class:`attnkit.MultiHeadAttention`
+Every contender is built from one reference :class:`attnkit.MultiHeadAttention`
 (causal, d_model C, H heads, biases on), copying its weights into each
 layout, so that wherever layouts allow they compute the same function (the
-tests check it). Core contenders take q, k, v (B, H, T, D) and time the
-attention kernel alone.
+tests check it). Its ``kind`` says how it is called and timed:
 
-A built contender is a function of the input: x (B, T, C) for layers,
-(q, k, v) for cores.
+- ``"layer"``: ``build(reference, T)`` returns ``run(x)`` for x (B, T, C);
+- ``"core"``: ``build(reference, T)`` returns ``run(q, k, v)`` for (B, H, T, D)
+  inputs: the attention kernel alone;
+- ``"decode"``: ``build(reference, S, x)`` returns ``step()``, which decodes
+  ``per_call`` tokens after a context of S positions (see :mod:`.decode`).
 
-Legend: B batch, T tokens, C model width, H heads, D = C / H.
+Contenders whose name ends in ``-padded`` add a key padding mask to the causal
+mask (the common training case): sequence b of the batch keeps its first
+T - T * (b % 4 + 1) // 8 tokens (see :func:`padding_mask`).
+
+Legend: B batch, T tokens, S keys, C model width, H heads, D = C / H.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,17 +32,40 @@ from attnkit import attention
 from attnkit import textbook as tb
 from attnkit.modules import MultiHeadAttention
 
+from . import decode
+from .hf import gpt2_attention
+
 Run = Callable[..., Any]
+Kind = Literal["layer", "core", "decode"]
+BOTH = ("inference", "training")
 
 
 @dataclass(frozen=True)
 class Contender:
     name: str
     label: str
-    build: Callable[[MultiHeadAttention, int], Run]  # (reference layer, T) -> run
-    kind: str = "layer"  # "layer": run(x); "core": run(q, k, v)
+    build: Callable[..., Run]  # layer and core: (reference, T) -> run; decode: (reference, S, x) -> step
+    kind: Kind = "layer"
     materializes: tuple[str, ...] = ()  # modes in which it holds (B, H, T, T) scores: memory grows with T^2
     requires: str | None = None  # optional package needed
+    per_call: int = 1  # tokens one timed call stands for (decode steps several)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes it runs in: decode contenders only decode, the others never do."""
+        return ("decode",) if self.kind == "decode" else BOTH
+
+
+def padding_mask(batch: int, seq_len: int, device: torch.device | str = "cpu") -> Tensor:
+    """Key padding (B, T), True = real token: row b keeps its first T - T * (b % 4 + 1) // 8 tokens."""
+    real = torch.tensor([seq_len - seq_len * (b % 4 + 1) // 8 for b in range(batch)], device=device)  # (B,)
+    return torch.arange(seq_len, device=device) < real[:, None]  # (T,) < (B, 1) -> (B, T)
+
+
+def _qkv(reference: MultiHeadAttention) -> nn.Linear:
+    if reference.qkv_proj is None or reference.qkv_proj.bias is None:
+        raise ValueError("the reference layer must be a self-attention layer with qkv_bias=True")
+    return reference.qkv_proj
 
 
 def _copy(reference: MultiHeadAttention, backend: str) -> Run:
@@ -48,8 +77,7 @@ def _copy(reference: MultiHeadAttention, backend: str) -> Run:
 
 def _raw_sdpa(reference: MultiHeadAttention, seq_len: int) -> Run:
     """Fused QKV + F.scaled_dot_product_attention(is_causal=True): the floor for module overhead."""
-    assert reference.qkv_proj is not None
-    w, b = reference.qkv_proj.weight, reference.qkv_proj.bias
+    w, b = _qkv(reference).weight, _qkv(reference).bias
     wo, bo = reference.out_proj.weight, reference.out_proj.bias
     h, d = reference.num_heads, reference.head_dim
 
@@ -83,11 +111,11 @@ def _textbook_mha(module: Callable[..., nn.Module]) -> Callable[[MultiHeadAttent
     def build(reference: MultiHeadAttention, seq_len: int) -> Run:
         c, h = reference.d_out, reference.num_heads
         m: Any = module(c, c, seq_len, 0.0, h, qkv_bias=True).to(reference.out_proj.weight)
-        assert reference.qkv_proj is not None
+        qkv = _qkv(reference)
         with torch.no_grad():
             for i, name in enumerate(("W_query", "W_key", "W_value")):
-                getattr(m, name).weight.copy_(reference.qkv_proj.weight[i * c : (i + 1) * c])
-                getattr(m, name).bias.copy_(reference.qkv_proj.bias[i * c : (i + 1) * c])
+                getattr(m, name).weight.copy_(qkv.weight[i * c : (i + 1) * c])
+                getattr(m, name).bias.copy_(qkv.bias[i * c : (i + 1) * c])
             m.out_proj.load_state_dict(reference.out_proj.state_dict())
         return m.train(reference.training)
 
@@ -100,11 +128,11 @@ def _textbook_wrapper(module: Callable[..., nn.Module]) -> Callable[[MultiHeadAt
     def build(reference: MultiHeadAttention, seq_len: int) -> Run:
         c, h, d = reference.d_out, reference.num_heads, reference.head_dim
         m: Any = module(c, d, seq_len, 0.0, h, qkv_bias=True).to(reference.out_proj.weight)
-        assert reference.qkv_proj is not None
+        qkv = _qkv(reference)
         with torch.no_grad():
             for i, name in enumerate(("W_query", "W_key", "W_value")):
-                rows = reference.qkv_proj.weight[i * c : (i + 1) * c]
-                bias = reference.qkv_proj.bias[i * c : (i + 1) * c]
+                rows = qkv.weight[i * c : (i + 1) * c]  # (C, C): this projection's rows
+                bias = qkv.bias[i * c : (i + 1) * c]
                 for j, head in enumerate(m.heads):
                     getattr(head, name).weight.copy_(rows[j * d : (j + 1) * d])
                     getattr(head, name).bias.copy_(bias[j * d : (j + 1) * d])
@@ -141,29 +169,24 @@ def _hf_gpt2(implementation: str) -> Callable[[MultiHeadAttention, int], Run]:
     return build
 
 
-def gpt2_attention(reference: MultiHeadAttention, implementation: str) -> nn.Module:
-    """A transformers GPT2Attention layer holding ``reference``'s weights."""
-    from transformers import GPT2Config
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
-
-    config = GPT2Config(n_embd=reference.d_out, n_head=reference.num_heads, n_positions=1 << 20,
-                        attn_pdrop=0.0, resid_pdrop=0.0)
-    config._attn_implementation = implementation
-    attn = GPT2Attention(config, layer_idx=0).to(reference.out_proj.weight)
-    assert reference.qkv_proj is not None
-    with torch.no_grad():
-        attn.c_attn.weight.copy_(reference.qkv_proj.weight.T)
-        attn.c_attn.bias.copy_(reference.qkv_proj.bias)
-        attn.c_proj.weight.copy_(reference.out_proj.weight.T)
-        attn.c_proj.bias.copy_(reference.out_proj.bias)
-    return attn.train(reference.training)
-
-
 def _core(backend: str) -> Callable[[MultiHeadAttention, int], Run]:
     return lambda reference, seq_len: (lambda q, k, v: attention(q, k, v, causal=True, backend=backend))
 
 
-BOTH = ("inference", "training")
+def _padded_layer(reference: MultiHeadAttention, seq_len: int) -> Run:
+    """attnkit's default layer, causal, with a key padding mask (B, T) as a padded batch brings."""
+    layer = _copy(reference, "auto")
+    return lambda x: layer(x, key_mask=padding_mask(x.shape[0], x.shape[1], x.device))
+
+
+def _padded_core(backend: str) -> Callable[[MultiHeadAttention, int], Run]:
+    """attention(causal=True) with the padding mask as (B, 1, 1, S): the broadcastable key-mask form."""
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
+        keys = padding_mask(k.shape[0], k.shape[2], k.device)[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+        return attention(q, k, v, mask=keys, causal=True, backend=backend)
+
+    return lambda reference, seq_len: run
 
 
 def _contenders() -> dict[str, Contender]:
@@ -199,7 +222,25 @@ def _contenders() -> dict[str, Contender]:
     items.append(Contender("core-torch-sdpa", "F.scaled_dot_product_attention(q, k, v, is_causal=True)",
                            lambda r, t: lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                            kind="core"))
-    return {c.name: c for c in items}
+    items.append(Contender("attnkit-padded", "attnkit.MultiHeadAttention, backend auto, causal + key_mask (B, T)",
+                           _padded_layer))
+    items += [Contender(f"core-{b}-padded", f"attnkit.attention(causal=True, mask=(B, 1, 1, S), backend={b!r})",
+                        _padded_core(b), kind="core") for b in ("auto", "sdpa", "chunked")]
+    return {c.name: c for c in items + _decoders()}
+
+
+def _decoders() -> list[Contender]:
+    hf = "transformers"
+    return [
+        Contender("decode-attnkit-cache", "attnkit layer + KVCache, one token", decode.attnkit_cache,
+                  kind="decode", per_call=decode.STEPS),
+        Contender("decode-attnkit-recompute", "attnkit layer, whole prefix recomputed", decode.recompute,
+                  kind="decode"),
+        Contender("decode-hf-gpt2-eager-cache", "transformers GPT2Attention (eager) + DynamicCache",
+                  decode.hf_cache("eager"), kind="decode", per_call=decode.STEPS, requires=hf),
+        Contender("decode-hf-gpt2-sdpa-cache", "transformers GPT2Attention (sdpa) + DynamicCache",
+                  decode.hf_cache("sdpa"), kind="decode", per_call=decode.STEPS, requires=hf),
+    ]
 
 
 CONTENDERS = _contenders()

@@ -9,6 +9,10 @@
 
 Each timed call runs :data:`STEPS` tokens (one for recompute) and rewinds the
 cache afterwards, so every call sees the same context; the result is per token.
+The builders here are registered as ``kind="decode"`` contenders in
+:mod:`.contenders`: ``build(reference, context, x) -> step``.
+
+Legend: B batch, S context length, C model width.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import torch
 
 from attnkit.modules import KVCache, MultiHeadAttention
 
-from .contenders import gpt2_attention
+from .hf import gpt2_attention
 
 STEPS = 16
 
 
-def _attnkit_cache(reference: MultiHeadAttention, context: int, x: torch.Tensor) -> Callable[[], None]:
+def attnkit_cache(reference: MultiHeadAttention, context: int, x: torch.Tensor) -> Callable[[], None]:
+    """attnkit's layer with a KVCache holding ``context`` positions of x (B, S + 1, C); steps one token."""
     cache = KVCache()
     reference(x[:, :context], kv_cache=cache)
     token = x[:, context : context + 1]
@@ -38,12 +43,15 @@ def _attnkit_cache(reference: MultiHeadAttention, context: int, x: torch.Tensor)
     return step
 
 
-def _recompute(reference: MultiHeadAttention, context: int, x: torch.Tensor) -> Callable[[], None]:
+def recompute(reference: MultiHeadAttention, context: int, x: torch.Tensor) -> Callable[[], None]:
+    """No cache: one forward of the whole prefix, context + 1 tokens of x (B, S + 1, C)."""
     prefix = x[:, : context + 1]
     return lambda: reference(prefix)
 
 
-def _hf_cache(implementation: str) -> Callable[[MultiHeadAttention, int, torch.Tensor], Callable[[], None]]:
+def hf_cache(implementation: str) -> Callable[[MultiHeadAttention, int, torch.Tensor], Callable[[], None]]:
+    """transformers' GPT2Attention with a DynamicCache, its timed steps run by ``implementation``."""
+
     def build(reference: MultiHeadAttention, context: int, x: torch.Tensor) -> Callable[[], None]:
         from transformers.cache_utils import DynamicCache
 
@@ -62,16 +70,3 @@ def _hf_cache(implementation: str) -> Callable[[MultiHeadAttention, int, torch.T
 
     return build
 
-
-DECODERS: dict[str, tuple[Callable[[MultiHeadAttention, int, torch.Tensor], Callable[[], None]], int]] = {
-    "decode-attnkit-cache": (_attnkit_cache, STEPS),
-    "decode-attnkit-recompute": (_recompute, 1),
-    "decode-hf-gpt2-eager-cache": (_hf_cache("eager"), STEPS),
-    "decode-hf-gpt2-sdpa-cache": (_hf_cache("sdpa"), STEPS),
-}
-LABELS = {
-    "decode-attnkit-cache": "attnkit layer + KVCache, one token",
-    "decode-attnkit-recompute": "attnkit layer, whole prefix recomputed",
-    "decode-hf-gpt2-eager-cache": "transformers GPT2Attention (eager) + DynamicCache",
-    "decode-hf-gpt2-sdpa-cache": "transformers GPT2Attention (sdpa) + DynamicCache",
-}

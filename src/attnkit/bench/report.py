@@ -25,20 +25,23 @@ def _key(row: Row) -> tuple[str, str, int, int]:
     return (row["contender"], row["mode"], row["batch"], row["seq_len"])
 
 
-def baseline_for(contender: str, layer_baseline: str) -> str:
-    if contender.startswith("core-"):
-        return "core-auto"
-    if contender.startswith("decode-"):
-        return "decode-attnkit-cache"
-    return layer_baseline
+BASELINES = {"core": "core-auto", "decode": "decode-attnkit-cache"}  # by kind; layers: the --baseline
+
+
+def baseline_for(kind: str | None, layer_baseline: str) -> str:
+    """The contender a row of this kind is divided by."""
+    return BASELINES.get(kind or "layer", layer_baseline)
 
 
 def with_ratios(rows: Sequence[Row], layer_baseline: str = "attnkit") -> list[Row]:
-    """Each row with ``vs_baseline``: its median time / its baseline's, in the same mode, batch and length."""
+    """Each row with ``vs_baseline``: its median time / its baseline's, in the same mode, batch and length.
+
+    A row's ``kind`` (layer when absent) picks its baseline: see :data:`BASELINES`.
+    """
     by_key = {_key(r): r for r in rows if r["median_ms"] is not None}
     out = []
     for row in rows:
-        base_name = baseline_for(row["contender"], layer_baseline)
+        base_name = baseline_for(row.get("kind"), layer_baseline)
         base = by_key.get((base_name, row["mode"], row["batch"], row["seq_len"]))
         ratio = row["median_ms"] / base["median_ms"] if base and row["median_ms"] is not None else None
         out.append({**row, "baseline": base_name, "vs_baseline": ratio})
@@ -159,19 +162,65 @@ def print_report(console: Any, rows: Sequence[Row], found: Sequence[Target], env
                  matmul: float) -> None:
     rich_table = require("rich.table", "attnkit bench")
     rich_box = require("rich.box", "attnkit bench")
-    console.print(", ".join(f"{k}: {v}" for k, v in env.items()) + f"; matmul (best sample) {matmul:.0f} GFLOP/s")
+    plain = require("rich.text", "attnkit bench").Text  # names and error messages are data, never markup
+    console.print(plain(", ".join(f"{k}: {v}" for k, v in env.items())
+                        + f"; matmul (best sample) {matmul:.0f} GFLOP/s"))
     console.print("times per call (decode: per token); x baseline = time / baseline's time "
                   "(attnkit, core-auto or decode-attnkit-cache) in the same table and T")
     for title, members in groups(rows):
-        table = rich_table.Table(*HEADERS, title=title, box=rich_box.SIMPLE_HEAD, title_justify="left")
+        table = rich_table.Table(*HEADERS, title=plain(title), box=rich_box.SIMPLE_HEAD, title_justify="left")
         for row in table_rows(members, matmul):
-            table.add_row(*row)
+            table.add_row(*map(plain, row))
         console.print(table)
     if found:
         targets_table = rich_table.Table("target", "goal", "measured", "met", title="targets")
         for t in found:
-            targets_table.add_row(t.name, t.goal, t.measured, "yes" if t.passed else "NO")
+            targets_table.add_row(*map(plain, (t.name, t.goal, t.measured)), "yes" if t.passed else "NO")
         console.print(targets_table)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_cell(v) for v in value)
+    return "-" if value is None else str(value)
+
+
+def columns(rows: Sequence[Row]) -> list[str]:
+    """Every key of ``rows``, in order of first appearance."""
+    return list(dict.fromkeys(key for row in rows for key in row))
+
+
+def print_rows(console: Any, title: str, rows: Sequence[Row], env: dict[str, Any]) -> None:
+    """A suite's own rows (any keys) as one table: the suites of :data:`.command.ROW_SUITES`."""
+    rich_table = require("rich.table", "attnkit bench")
+    plain = require("rich.text", "attnkit bench").Text  # keys and values are data, never markup
+    console.print(plain(", ".join(f"{k}: {v}" for k, v in env.items())))
+    keys = columns(rows)
+    table = rich_table.Table(title=plain(title), title_justify="left")
+    for key in keys:
+        table.add_column(plain(key))
+    for row in rows:
+        table.add_row(*(plain(_cell(row.get(k))) for k in keys))
+    console.print(table)
+
+
+def write_rows(out_dir: Path, title: str, rows: Sequence[Row], env: dict[str, Any]) -> list[Path]:
+    """A suite's own rows as results.json and summary.md in ``out_dir``; returns both paths."""
+    document = {"environment": env, "suite": title, "results": list(rows)}
+    (out_dir / "results.json").write_text(json.dumps(document, indent=1, default=str) + "\n")
+    (out_dir / "summary.md").write_text(rows_markdown(title, rows, env))
+    return [out_dir / "results.json", out_dir / "summary.md"]
+
+
+def rows_markdown(title: str, rows: Sequence[Row], env: dict[str, Any]) -> str:
+    """A suite's own rows as one markdown table, after the environment."""
+    keys = columns(rows)
+    lines = ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "", f"**{title}**", "",
+             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_cell(row.get(k)) for k in keys) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: Sequence[Row], found: Sequence[Target], env: dict[str, Any], matmul: float) -> str:
@@ -217,7 +266,7 @@ def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
         for ax, mode in zip(axes, ("inference", "training"), strict=True):
             series: dict[str, list[tuple[int, float]]] = {}
             for r in rows:
-                if r["mode"] == mode and r["batch"] == 1 and r.get(metric) and not r["contender"].startswith("core-"):
+                if r["mode"] == mode and r["batch"] == 1 and r.get(metric) and r.get("kind", "layer") == "layer":
                     series.setdefault(r["contender"], []).append((r["seq_len"], r[metric]))
             lines = 0
             for contender, points in sorted(series.items()):

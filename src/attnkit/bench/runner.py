@@ -30,7 +30,6 @@ from attnkit.modules import MultiHeadAttention
 
 from .cases import Case
 from .contenders import CONTENDERS
-from .decode import DECODERS
 
 
 @dataclass
@@ -52,7 +51,9 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         ok = self.status == "ok" and self.times_ms
-        return {**json.loads(self.case.to_json()), "status": self.status, "reason": self.reason,
+        contender = CONTENDERS.get(self.case.contender)
+        return {**json.loads(self.case.to_json()), "kind": contender.kind if contender else None,
+                "status": self.status, "reason": self.reason,
                 "times_ms": self.times_ms, "median_ms": self.median_ms if ok else None,
                 "min_ms": min(self.times_ms) if ok else None, "max_ms": max(self.times_ms) if ok else None,
                 "peak_mib": self.peak_mib, "flops": self.flops, "gflops": self.gflops if ok else None}
@@ -72,7 +73,8 @@ def flops(case: Case) -> float | None:
     attention = 4 * b * t * t * c / 2  # q k^T and weights @ v, half of (T, T) under the causal mask
     if case.mode == "decode":
         return None
-    if case.contender.startswith("core-"):
+    contender = CONTENDERS.get(case.contender)
+    if contender is not None and contender.kind == "core":
         forward = attention
     else:
         forward = 2 * b * t * c * 3 * c + 2 * b * t * c * c + attention  # qkv and out projections
@@ -99,13 +101,12 @@ def prepare(case: Case) -> tuple[Callable[[], Any], int]:
     """The timed callable of ``case`` and how many tokens (decode) or calls it stands for."""
     reference, dtype = _reference(case), getattr(torch, case.dtype)
     gen = torch.Generator(device=case.device).manual_seed(1)
-    if case.mode == "decode":
-        build, per_call = DECODERS[case.contender]
+    contender = CONTENDERS[case.contender]
+    if contender.kind == "decode":
         x = torch.randn(case.batch, case.seq_len + 1, case.d_model, generator=gen, device=case.device, dtype=dtype)
         with torch.no_grad():
-            step = build(reference, case.seq_len, x)
-        return _no_grad(step), per_call
-    contender = CONTENDERS[case.contender]
+            step = contender.build(reference, case.seq_len, x)
+        return _no_grad(step), contender.per_call
     run = contender.build(reference, case.seq_len)
     training = case.mode == "training"
     shapes = [(case.batch, case.num_heads, case.seq_len, case.head_dim)] * 3 if contender.kind == "core" \
@@ -156,14 +157,6 @@ def time_group(cases: Sequence[Case], *, repeats: int = 5, warmup: int = 1) -> d
     return {**out, **times}
 
 
-def time_case(case: Case, *, repeats: int = 5, warmup: int = 1) -> list[float]:
-    """Milliseconds per call of one case (see :func:`time_group`)."""
-    result = time_group([case], repeats=repeats, warmup=warmup)[case]
-    if isinstance(result, str):
-        raise RuntimeError(result)
-    return result
-
-
 def peak_memory_mib(case: Case, timeout: float = 900) -> float:
     """Peak extra memory of one call, measured by ``python -m attnkit.bench.memory`` in a new process."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks go back to the OS when freed
@@ -176,16 +169,15 @@ def peak_memory_mib(case: Case, timeout: float = 900) -> float:
 
 def _missing(case: Case) -> str | None:
     contender = CONTENDERS.get(case.contender)
-    if contender is None and case.contender not in DECODERS:
+    if contender is None:
         return f"unknown contender {case.contender!r}"
-    if (case.contender in DECODERS) != (case.mode == "decode"):
+    if case.mode not in contender.modes:
         return f"{case.contender} does not run in mode {case.mode!r}"
-    needs = contender.requires if contender is not None else ("transformers" if "hf" in case.contender else None)
-    if needs is not None:
+    if contender.requires is not None:
         try:
-            __import__(needs)
+            __import__(contender.requires)
         except ImportError:
-            return f"needs {needs}, not installed"
+            return f"needs {contender.requires}, not installed"
     return None
 
 

@@ -19,6 +19,8 @@ from .html import trace_layers
 from .trace import trace
 
 MODELS = ("minilm",)
+MAX_TOY_D_OUT = 4096  # the toy's out_proj is (d_out, d_out): 64 MiB of float32 at 4096; no table shows more
+SEEDS = (-(2**63), 2**64 - 1)  # the range torch.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Explanation:
 def explain_toy(text: str | None, *, d_out: int = 4, num_heads: int = 2, seed: int = 123,
                 dropout: float = 0.0, causal: bool = True) -> Explanation:
     """The notebooks' textbook MultiHeadAttention on their sentence, or on ``text`` with random embeddings."""
+    _check_toy(d_out, seed)
     example = wt.book_example() if text is None else wt.text_example(text, seed=seed)
     d_in = example.embeddings.shape[1]
     mha = wt.build_layer(d_in, d_out, num_heads, len(example.tokens), seed=seed, dropout=dropout)
@@ -51,6 +54,17 @@ def explain_toy(text: str | None, *, d_out: int = 4, num_heads: int = 2, seed: i
     meta = {"text": " ".join(example.tokens), "source": example.source, "d_in": d_in, "d_out": d_out,
             "num_heads": num_heads, "head_dim": mha.head_dim, "causal": causal, "dropout": dropout, "seed": seed}
     return Explanation(example.tokens, steps, header, f"attnkit explain: {name}", weights, [(name, weights)], meta)
+
+
+def _check_toy(d_out: int, seed: int) -> None:
+    """Refuse sizes and seeds that would fail late (allocating, or inside torch) with a clear message."""
+    if isinstance(d_out, int) and d_out > MAX_TOY_D_OUT:
+        raise ValueError(f"d_out={d_out} is too large for the toy walkthrough (at most {MAX_TOY_D_OUT}): "
+                         f"its out_proj alone would hold {d_out}**2 weights")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not SEEDS[0] <= seed <= SEEDS[1]:
+        raise ValueError(f"seed={seed} is out of range: torch takes seeds from -2**63 to 2**64 - 1")
 
 
 def explain_model(model_name: str, text: str | None, *, layer: int = 0, head: int = 0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -46,7 +47,9 @@ def render_page(tokens: Sequence[str], layers: Sequence[tuple[str, Tensor]], *, 
             "layers": [_layer(name, w, t, s) for name, w in layers]}
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # no "</script>" inside
     template = resources.files("attnkit.inspect").joinpath("page.html").read_text(encoding="utf-8")
-    return template.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
+    fill = {"__TITLE__": html.escape(title), "__DATA__": payload}
+    # One pass over the template: text that holds a placeholder's name is never filled in again.
+    return re.sub("__TITLE__|__DATA__", lambda m: fill[m.group(0)], template)
 
 
 def write_html(path: str | Path, tokens: Sequence[str], layers: Sequence[tuple[str, Tensor]], *,

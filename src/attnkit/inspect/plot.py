@@ -5,7 +5,9 @@
 - :func:`plot_model_view`: a grid of small heatmaps, layers x heads.
 
 Figures are built with matplotlib's object API on the Agg canvas: no pyplot
-state, no display needed. ``fig.savefig(path)`` writes them.
+state, no display needed. ``fig.savefig(path)`` writes them. Tokens, titles
+and names are data: a ``$`` in them is shown as written, never read as
+matplotlib's math text.
 
 Legend: L layers, H heads, T queries, S keys.
 """
@@ -36,11 +38,16 @@ def _check_weights(weights: Tensor, rank: int, what: str) -> Tensor:
     return weights.detach().float().cpu()
 
 
+def _plain(text: str) -> str:
+    """``text`` as matplotlib shows it literally: an unescaped ``$`` would start math text."""
+    return str(text).replace("$", r"\$")
+
+
 def _check_tokens(tokens: Sequence[str], size: int, what: str) -> list[str]:
     tokens = list(tokens)
     if len(tokens) != size:
         raise ValueError(f"{len(tokens)} {what} tokens for a weights axis of size {size}")
-    return tokens
+    return [_plain(t) for t in tokens]
 
 
 def plot_heads(weights: Tensor, tokens: Sequence[str], key_tokens: Sequence[str] | None = None, *,
@@ -69,7 +76,7 @@ def plot_heads(weights: Tensor, tokens: Sequence[str], key_tokens: Sequence[str]
         ax.set_yticks(range(t), queries, fontsize=7)
     fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
     if title:
-        fig.suptitle(title)
+        fig.suptitle(_plain(title))
     return fig
 
 
@@ -79,7 +86,7 @@ def plot_model_view(weights: Tensor, tokens: Sequence[str], *, title: str | None
     w = _check_weights(weights, 4, "weights (L, H, T, S)")
     layers, heads, t, _ = w.shape
     _check_tokens(tokens, t, "query")
-    names = list(layer_names) if layer_names is not None else [f"layer {i}" for i in range(layers)]
+    names = [_plain(n) for n in layer_names] if layer_names is not None else [f"layer {i}" for i in range(layers)]
     if len(names) != layers:
         raise ValueError(f"{len(names)} layer names for {layers} layers")
     fig = new_figure(1.1 * heads + 1.5, 1.1 * layers + (0.6 if title else 0.3))
@@ -95,5 +102,5 @@ def plot_model_view(weights: Tensor, tokens: Sequence[str], *, title: str | None
             ax.set_ylabel(names[layer], fontsize=8)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     if title:
-        fig.suptitle(title)
+        fig.suptitle(_plain(title))
     return fig

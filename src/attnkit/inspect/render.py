@@ -2,7 +2,9 @@
 
 Tables fit the console's width (80 columns when output is not a terminal):
 columns and rows beyond what fits are cut, and the screen says so; the JSON
-file always holds every number.
+file always holds every number. Tokens, names and notes are data, never rich
+markup: they are printed as ``rich.text.Text``, so a token such as ``[red]``,
+``[/b]`` or ``\\`` prints as itself.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ CELL = 7  # "-0.1234"
 MAX_ROWS = 16
 
 
+def plain(text: str, style: str = "") -> Any:
+    """``text`` as a rich Text: shown as written, never read as markup."""
+    return require("rich.text", "attnkit explain").Text(text, style=style)
+
+
 def _labels(axis: str, n: int, tokens: Sequence[str]) -> list[str]:
     if axis in TOKEN_AXES:
         return [t if len(t) <= 8 else t[:7] + "…" for t in tokens[:n]]
@@ -49,10 +56,10 @@ def _matrix_table(matrix: Tensor, axes: tuple[str, str], tokens: Sequence[str], 
     table = rich_table.Table(box=None, padding=(0, 1, 0, 0), show_edge=False, pad_edge=False)
     table.add_column("", style="bold")
     for label in col_labels[:shown_cols]:
-        table.add_column(label[:CELL], justify="right", min_width=CELL, max_width=CELL, no_wrap=True)
+        table.add_column(plain(label[:CELL]), justify="right", min_width=CELL, max_width=CELL, no_wrap=True)
     values = matrix.tolist()
     for label, row in zip(row_labels[:shown_rows], values[:shown_rows], strict=False):
-        table.add_row(label, *(_cell(v) for v in row[:shown_cols]))
+        table.add_row(plain(label), *(_cell(v) for v in row[:shown_cols]))
     cut = []
     if shown_cols < cols:
         cut.append(f"{shown_cols} of {cols} columns")
@@ -64,13 +71,13 @@ def _matrix_table(matrix: Tensor, axes: tuple[str, str], tokens: Sequence[str], 
 def _render_tensor(console: Console, name: str, tensor: Tensor, axes: tuple[str, ...],
                    tokens: Sequence[str]) -> None:
     shape = " x ".join(f"{a}={n}" for a, n in zip(axes, tensor.shape, strict=True))
-    console.print(f"[cyan]{name}[/cyan] [dim]({shape})[/dim]")
+    console.print(plain(name, "cyan") + plain(f" ({shape})", "dim"))
     if tensor.dim() == 1:
         tensor, axes = tensor.unsqueeze(0), ("row", *axes)
     blocks = [(None, tensor)] if tensor.dim() == 2 else [(f"{axes[0]} {i}", t) for i, t in enumerate(tensor)]
     for label, matrix in blocks:
         if label:
-            console.print(f"  [dim]{label}[/dim]")
+            console.print(plain(f"  {label}", "dim"))
         table, cut = _matrix_table(matrix, (axes[-2], axes[-1]), tokens, console.width - 2)
         console.print(table)
         if cut:
@@ -83,8 +90,8 @@ def render(console: Console, steps: Sequence[Step], tokens: Sequence[str]) -> No
     for step in steps:
         number = order.index(step.key) + 1 if step.key in STEPS else "-"
         console.print()
-        console.rule(f"[bold]{number}. {step.title}[/bold]", align="left")
-        console.print(step.note, highlight=False)
+        console.rule(plain(f"{number}. {step.title}", "bold"), align="left")
+        console.print(plain(step.note))
         for name, tensor in step.tensors.items():
             _render_tensor(console, name, tensor.detach(), step.axes[name], tokens)
 

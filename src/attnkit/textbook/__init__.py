@@ -1,9 +1,10 @@
 """The chapter "Coding attention mechanisms" as importable code.
 
-Each step of the notebooks in ``shared/seeds`` with the book's names,
-constructor signatures and parameter creation order, so that
-``torch.manual_seed(...)`` followed by the same calls reproduces the printed
-numbers, with the notebooks' mistakes fixed. This package imports nothing else
+Each step of the five notebooks attnkit grew from (the README's section "The
+chapter as code") with the book's names, constructor signatures and parameter
+creation order, so that ``torch.manual_seed(...)`` followed by the same calls
+reproduces the printed numbers (the tests in ``tests/textbook`` hold them),
+with the notebooks' mistakes fixed. This package imports nothing else
 from attnkit: it is the independent reference the production layer is tested
 against.
 

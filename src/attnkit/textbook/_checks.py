@@ -39,8 +39,18 @@ def check_divisible(d_out: int, num_heads: int) -> int:
     return d_out // num_heads
 
 
-def check_input(x: object, d_in: int, context_length: int | None = None) -> Tensor:
+def check_input(x: object, d_in: int, context_length: int | None = None, *, like: Tensor | None = None,
+                finite: bool | None = None) -> Tensor:
     """Validate an input of shape (num_tokens, d_in) or (b, num_tokens, d_in).
+
+    Args:
+        like: a parameter of the layer: x must have its dtype and device (else
+            torch's bare "mat1 and mat2 must have the same dtype" comes later).
+        finite: whether to check that every value is finite, a full pass over
+            x that on an accelerator waits for the device. None (the layers'
+            default) checks on the CPU only, where the pass costs no sync and
+            is small beside the projections; True checks everywhere (the
+            walkthrough); False never.
 
     Returns ``x`` with a batch dimension: (b, num_tokens, d_in).
     """
@@ -57,6 +67,8 @@ def check_input(x: object, d_in: int, context_length: int | None = None) -> Tens
         )
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if like is not None and not _autocast(x):  # under autocast, torch casts for itself
+        _check_like(x, like)
     num_tokens = x.shape[-2]
     if num_tokens == 0:
         raise ValueError("x has no tokens (num_tokens=0)")
@@ -66,7 +78,29 @@ def check_input(x: object, d_in: int, context_length: int | None = None) -> Tens
             f"context_length={context_length}: its causal mask covers at most "
             f"{context_length} tokens (build it with a larger context_length)"
         )
-    bad = 0 if x.device.type == "meta" else int((~torch.isfinite(x)).sum())
-    if bad:
+    if finite or (finite is None and x.device.type == "cpu"):
+        _check_finite(x)
+    return x if x.dim() == 3 else x.unsqueeze(0)  # (T, d_in) -> (1, T, d_in)
+
+
+def _autocast(x: Tensor) -> bool:
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
+
+
+def _check_like(x: Tensor, like: Tensor) -> None:
+    if x.dtype != like.dtype:
+        raise TypeError(
+            f"x has dtype {x.dtype} but this layer's weights are {like.dtype}: convert one to match "
+            f"(x.to({like.dtype}) or layer.to({x.dtype}))"
+        )
+    if x.device != like.device:
+        raise ValueError(f"x is on {x.device} but this layer's weights are on {like.device}: move one to the other")
+
+
+def _check_finite(x: Tensor) -> None:
+    if x.device.type != "meta" and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"x contains {bad} non-finite value(s) (nan or inf); embeddings must be finite")
-    return x if x.dim() == 3 else x.unsqueeze(0)

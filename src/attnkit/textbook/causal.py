@@ -84,7 +84,7 @@ class CausalAttention(nn.Module):
         self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
 
     def forward(self, x: Tensor) -> Tensor:
-        batch = check_input(x, self.d_in, self.context_length)  # (B, T, d_in)
+        batch = check_input(x, self.d_in, self.context_length, like=self.W_query.weight)  # (B, T, d_in)
         num_tokens = batch.shape[1]
         keys = self.W_key(batch)  # (B, T, d_in) -> (B, T, d_out)
         queries = self.W_query(batch)

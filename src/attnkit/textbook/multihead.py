@@ -111,7 +111,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (T, d_in) or (B, T, d_in) -> (..., T, d_out)."""
-        batch = check_input(x, self.d_in, self.context_length)  # (B, T, d_in)
+        batch = check_input(x, self.d_in, self.context_length, like=self.W_query.weight)  # (B, T, d_in)
         num_tokens = batch.shape[1]
         keys = self.split_heads(self.W_key(batch))  # (B, T, d_in) -> (B, H, T, hd)
         queries = self.split_heads(self.W_query(batch))
@@ -171,7 +171,7 @@ class PerHeadAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (T, d_in) or (B, T, d_in) -> (..., T, d_out)."""
-        batch = check_input(x, self.d_in)  # (B, T, d_in)
+        batch = check_input(x, self.d_in, like=self.multi_head_proj)  # (B, T, d_in)
         heads = zip(self.q_proj, self.k_proj, self.v_proj, strict=True)
         outs = [causal_head(batch, q, k, v)[0] for q, k, v in heads]  # H x (B, T, hs)
         concat_attention_output = torch.cat(outs, dim=-1)  # H x (B, T, hs) -> (B, T, H*hs)

@@ -3,7 +3,8 @@
 Every token is its own query, key and value: scores are dot products of the
 raw embeddings, weights are their softmax, and each context vector is the
 weighted sum of all embeddings. Functions accept one sequence (T, d) or a
-batch (B, T, d); the notebooks' ``inputs @ inputs.T`` only worked unbatched.
+batch (B, T, d), the loops included (they loop over the batch too); the
+notebooks' ``inputs @ inputs.T`` only worked unbatched.
 
 Legend: B batch, T tokens, d embedding size.
 """
@@ -14,12 +15,23 @@ import torch
 from torch import Tensor
 
 
+def _batched(name: str, inputs: Tensor) -> bool:
+    """Whether ``inputs`` is a batch (B, T, d) rather than one sequence (T, d); other ranks are refused."""
+    if not isinstance(inputs, Tensor) or inputs.dim() not in (2, 3):
+        shape = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
+        raise ValueError(f"{name}: inputs must be (T, d) or (B, T, d), got {shape}")
+    return inputs.dim() == 3
+
+
 def attn_scores_for_query_loop(inputs: Tensor, query: Tensor) -> Tensor:
     """Scores of one query against every input, one ``torch.dot`` at a time.
 
-    The notebooks' ``attn_scores_2`` loop. inputs (T, d), query (d,) -> (T,).
+    The notebooks' ``attn_scores_2`` loop. inputs (T, d), query (d,) -> (T,);
+    batched: inputs (B, T, d), query (B, d) -> (B, T).
     """
-    attn_scores = torch.empty(inputs.shape[0], dtype=inputs.dtype)
+    if _batched("attn_scores_for_query_loop", inputs):
+        return torch.stack([attn_scores_for_query_loop(x, q) for x, q in zip(inputs, query, strict=True)])
+    attn_scores = torch.empty(inputs.shape[0], dtype=inputs.dtype, device=inputs.device)
     for i, x_i in enumerate(inputs):
         attn_scores[i] = torch.dot(x_i, query)
     return attn_scores
@@ -31,9 +43,11 @@ def attn_scores_for_query(inputs: Tensor, query: Tensor) -> Tensor:
 
 
 def attn_scores_loop(inputs: Tensor) -> Tensor:
-    """All pairwise scores with two loops: (T, d) -> (T, T)."""
+    """All pairwise scores with two loops: (T, d) -> (T, T), or (B, T, d) -> (B, T, T)."""
+    if _batched("attn_scores_loop", inputs):
+        return torch.stack([attn_scores_loop(x) for x in inputs])  # B x (T, T) -> (B, T, T)
     num_tokens = inputs.shape[0]
-    attn_scores = torch.empty(num_tokens, num_tokens, dtype=inputs.dtype)
+    attn_scores = torch.empty(num_tokens, num_tokens, dtype=inputs.dtype, device=inputs.device)
     for i, x_i in enumerate(inputs):
         for j, x_j in enumerate(inputs):
             attn_scores[i, j] = torch.dot(x_i, x_j)
@@ -69,8 +83,14 @@ def softmax_stable(x: Tensor, dim: int = -1) -> Tensor:
     Equal to :func:`softmax_naive` wherever that one is finite, and to
     ``torch.softmax`` wherever a row has a finite entry. A row that is all
     -inf (every key masked, as for a padding token) gives zeros rather than
-    the NaN of ``torch.softmax``, with finite gradients.
+    the NaN of ``torch.softmax``, with finite gradients. An empty tensor
+    gives an empty result; an integer tensor is refused (weights are fractions).
     """
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        what = x.dtype if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"softmax_stable needs a floating-point tensor, got {what} (convert it with x.float())")
+    if x.numel() == 0:
+        return torch.empty_like(x)
     row_max = x.amax(dim=dim, keepdim=True)
     row_max = row_max.masked_fill(row_max == -torch.inf, 0.0)  # all -inf: exp below is all 0
     exp = torch.exp(x - row_max)
@@ -78,8 +98,10 @@ def softmax_stable(x: Tensor, dim: int = -1) -> Tensor:
 
 
 def context_vec_loop(inputs: Tensor, attn_weights: Tensor) -> Tensor:
-    """One context vector as a weighted sum in a loop: (T, d), (T,) -> (d,)."""
-    context_vec = torch.zeros(inputs.shape[1], dtype=inputs.dtype)
+    """One context vector as a weighted sum in a loop: (T, d), (T,) -> (d,); batched (B, T, d), (B, T) -> (B, d)."""
+    if _batched("context_vec_loop", inputs):
+        return torch.stack([context_vec_loop(x, w) for x, w in zip(inputs, attn_weights, strict=True)])
+    context_vec = torch.zeros(inputs.shape[1], dtype=inputs.dtype, device=inputs.device)
     for i, x_i in enumerate(inputs):
         context_vec += attn_weights[i] * x_i
     return context_vec

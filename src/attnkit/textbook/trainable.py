@@ -43,7 +43,7 @@ class SelfAttention_v1(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (T, d_in) or (B, T, d_in) -> context vectors of the same rank, last dim d_out."""
-        batch = check_input(x, self.d_in)  # (B, T, d_in)
+        batch = check_input(x, self.d_in, like=self.W_query)  # (B, T, d_in)
         keys = batch @ self.W_key  # (B, T, d_in) @ (d_in, d_out) -> (B, T, d_out)
         queries = batch @ self.W_query
         values = batch @ self.W_value
@@ -67,7 +67,7 @@ class SelfAttention_v2(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (T, d_in) or (B, T, d_in) -> context vectors of the same rank, last dim d_out."""
-        batch = check_input(x, self.d_in)  # (B, T, d_in)
+        batch = check_input(x, self.d_in, like=self.W_query.weight)  # (B, T, d_in)
         keys = self.W_key(batch)  # (B, T, d_in) -> (B, T, d_out)
         queries = self.W_query(batch)
         values = self.W_value(batch)
