@@ -180,8 +180,10 @@ def test_dropout_is_seeded_unbiased_and_refused_by_chunked():
         torch.manual_seed(1)
         torch.testing.assert_close(attention(q, k, v, dropout_p=0.5, backend=backend), first)
         assert (first - plain).abs().amax() > 1e-3
-        mean = torch.stack([attention(q, k, v, dropout_p=0.5, backend=backend) for _ in range(4000)]).mean(0)
-        torch.testing.assert_close(mean, plain, atol=0.06, rtol=0)  # inverted dropout keeps the mean
+        # 4000 independent draws in one call: the batch axis carries them (each row its own dropout mask)
+        draws = attention(*(x.expand(4000, -1, -1, -1) for x in (q, k, v)), dropout_p=0.5, backend=backend)
+        assert len({tuple(d.flatten().tolist()) for d in draws[:50]}) == 50  # the rows really differ
+        torch.testing.assert_close(draws.mean(0, keepdim=True), plain, atol=0.06, rtol=0)  # inverted dropout
     with pytest.raises(ValueError, match=r"backend 'chunked' cannot serve this call: it has no dropout"):
         attention(q, k, v, dropout_p=0.1, backend="chunked")
 
@@ -189,10 +191,10 @@ def test_dropout_is_seeded_unbiased_and_refused_by_chunked():
 def test_scale_and_additive_float_mask():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4)
-    bias = torch.randn(1, 2, 3, 4)
-    expected = reference_attention(q, k, v, mask=bias, scale=0.3)[0].float()
+    additive = torch.randn(1, 2, 3, 4)
+    expected = reference_attention(q, k, v, mask=additive, scale=0.3)[0].float()
     for backend in BACKEND_NAMES:
-        torch.testing.assert_close(attention(q, k, v, mask=bias, scale=0.3, backend=backend), expected)
+        torch.testing.assert_close(attention(q, k, v, mask=additive, scale=0.3, backend=backend), expected)
 
 
 def test_auto_picks_sdpa_and_math_for_weights():

@@ -61,6 +61,6 @@ def test_bad_options(kwargs, error, message):
 
 
 def test_chunked_refuses_a_differentiable_float_mask():
-    bias = torch.zeros(1, 1, 3, 5, requires_grad=True)
+    additive = torch.zeros(1, 1, 3, 5, requires_grad=True)
     with pytest.raises(ValueError, match=r"does not differentiate through a float mask"):
-        attention(*qkv(), mask=bias, backend="chunked")
+        attention(*qkv(), mask=additive, backend="chunked")

@@ -23,9 +23,9 @@ Legend: B batch, H query heads, G key/value heads, T queries, S keys, D head dim
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 from torch import Tensor
 
@@ -35,21 +35,29 @@ from .math import Intermediates, math_intermediates
 from .registry import AUTO_ORDER, BACKENDS, DENSE_BAND_LIMIT, Backend, check_backend, choose, register
 
 Observer = Callable[[AttentionCall, Intermediates], None]
-_OBSERVERS: ContextVar[tuple[Observer, ...]] = ContextVar("attnkit.observers", default=())
+# (thread id, observer) pairs. A plain list, not a ContextVar: torch.compile traces a read of it
+# (and guards on it being empty), so compiled layers stay whole graphs while nothing observes.
+_OBSERVERS: list[tuple[int, Observer]] = []
 
 
 @contextmanager
 def observe(observer: Observer) -> Iterator[None]:
-    """Call ``observer(call, intermediates)`` on every :func:`attention` call in this context.
+    """Call ``observer(call, intermediates)`` on every :func:`attention` call in this block.
 
-    Observers nest (each one sees every call) and are local to the current
-    thread / async context. While one is active, calls run the math backend.
+    Observers nest (each one sees every call) and see only calls made in the
+    thread that opened the block. While one is active, calls run the math backend.
     """
-    token = _OBSERVERS.set((*_OBSERVERS.get(), observer))
+    entry = (threading.get_ident(), observer)
+    _OBSERVERS.append(entry)
     try:
         yield
     finally:
-        _OBSERVERS.reset(token)
+        _OBSERVERS.remove(entry)
+
+
+def _observers() -> list[Observer]:
+    me = threading.get_ident()
+    return [observer for thread, observer in _OBSERVERS if thread == me]
 
 
 def run(call: AttentionCall, *, backend: str = "auto", return_weights: bool = False
@@ -58,7 +66,7 @@ def run(call: AttentionCall, *, backend: str = "auto", return_weights: bool = Fa
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     chosen = choose(backend, call, return_weights=return_weights)
-    observers = _OBSERVERS.get()
+    observers = _observers() if _OBSERVERS else None
     if observers:
         steps = math_intermediates(call)
         for observer in observers:

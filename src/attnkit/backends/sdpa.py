@@ -52,6 +52,15 @@ def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
     return mask.masked_fill(empty, 0.0), empty
 
 
+def _propagate_nan(q: Tensor, out: Tensor) -> Tensor:
+    """NaN in the rows of out whose query holds a NaN, as the math and chunked backends give."""
+    if torch.compiler.is_compiling():  # no data-dependent branch in a graph
+        return out.masked_fill(q.isnan().any(dim=-1, keepdim=True), torch.nan)
+    if bool(q.isnan().any()):
+        return out.masked_fill(q.isnan().any(dim=-1, keepdim=True), torch.nan)
+    return out
+
+
 def sdpa_attention(call: AttentionCall) -> Tensor:
     q, k, v = call.q, call.k, call.v
     mask, is_causal = _mask_and_flag(call)
@@ -69,8 +78,8 @@ def sdpa_attention(call: AttentionCall) -> Tensor:
                                          is_causal=is_causal, scale=call.scale)
     if fold:
         out = out.reshape(b, h, 1, out.shape[-1])  # (B, G, R, Dv) -> (B, H, 1, Dv)
-    if mask is None and q.device.type == "cpu" and bool(call.q.isnan().any()):
-        out = out.masked_fill(call.q.isnan().any(dim=-1, keepdim=True), torch.nan)  # as math and chunked do
+    if mask is None and q.device.type == "cpu":
+        out = _propagate_nan(call.q, out)
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 

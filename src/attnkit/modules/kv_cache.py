@@ -128,8 +128,9 @@ class KVCache:
 
     def _leave_inference_mode(self) -> None:
         """Storage made under ``torch.inference_mode()`` cannot be written outside it: copy it once."""
-        if self._k is not None and self._v is not None and self._k.is_inference() \
-                and not torch.is_inference_mode_enabled():
+        if torch.compiler.is_compiling() or self._k is None or self._v is None:
+            return
+        if self._k.is_inference() and not torch.is_inference_mode_enabled():
             self._k, self._v = self._k.clone(), self._v.clone()
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,24 @@
+"""GPU-only checks (skipped without CUDA; run where a GPU is lent)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import attnkit
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_the_default_layer_takes_a_fused_sdpa_kernel(kv_heads):
+    """As litgpt's test_sdpa_choice: with the math kernel disabled, a slow fallback would raise."""
+    layer = attnkit.MultiHeadAttention(512, 512, 8, num_kv_heads=kv_heads, rope=True).cuda().bfloat16().eval()
+    x = torch.randn(2, 256, 512, device="cuda", dtype=torch.bfloat16)
+    expected = layer(x)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        fused = layer(x)
+    torch.testing.assert_close(fused, expected)
