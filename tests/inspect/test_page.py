@@ -113,3 +113,17 @@ def test_title_holding_the_data_placeholder_keeps_the_json_out_of_the_title():
     assert "<title>see __DATA__ and __TITLE__</title>" in page
     assert page.count('"layers":') == 1
     assert _data(page)["tokens"] == tokens
+
+
+def test_head_view_shows_itself_in_a_notebook_as_the_page_in_an_iframe():
+    import html as html_lib
+
+    from attnkit.inspect.html import HeadView, render_page
+
+    weights = torch.softmax(torch.randn(2, 3, 3), dim=-1)
+    shown = HeadView(["a", "<b>", "c"], [("layer", weights)], title="T & <i>")
+    markup = shown._repr_html_()
+    assert markup.startswith('<iframe srcdoc="') and 'sandbox="allow-scripts"' in markup
+    inner = markup.split('srcdoc="', 1)[1].split('" sandbox=', 1)[0]
+    assert html_lib.unescape(inner) == render_page(["a", "<b>", "c"], [("layer", weights)], title="T & <i>")
+    assert "<b>" not in inner  # escaped for the attribute: the notebook never parses the page's tags

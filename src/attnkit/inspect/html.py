@@ -14,6 +14,7 @@ import html
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -64,3 +65,40 @@ def write_html(path: str | Path, tokens: Sequence[str], layers: Sequence[tuple[s
 def trace_layers(trace: Trace, batch_index: int = 0) -> list[tuple[str, Tensor]]:
     """(name, weights (H, T, S)) of each record of ``trace``, for one sequence of the batch."""
     return [(record.name, record.weights[batch_index]) for record in trace.records]
+
+
+@dataclass(frozen=True)
+class HeadView:
+    """The interactive page as an object: shown inline by Jupyter (``_repr_html_``), or written to a file.
+
+        HeadView(tokens, trace_layers(t), title="MiniLM")      # last line of a notebook cell
+
+    The page sits in a sandboxed ``<iframe>`` so its styles and scripts stay apart from the notebook's.
+    """
+
+    tokens: Sequence[str]
+    layers: Sequence[tuple[str, Tensor]]
+    title: str = "attnkit"
+    subtitle: str = ""
+    key_tokens: Sequence[str] | None = None
+    height: int = 640
+
+    def html(self) -> str:
+        """The whole page (see :func:`render_page`)."""
+        return render_page(self.tokens, self.layers, title=self.title, subtitle=self.subtitle,
+                           key_tokens=self.key_tokens)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the page to ``path``; returns the path."""
+        return write_html(path, self.tokens, self.layers, title=self.title, subtitle=self.subtitle,
+                          key_tokens=self.key_tokens)
+
+    def _repr_html_(self) -> str:
+        page = html.escape(self.html(), quote=True)
+        return (f'<iframe srcdoc="{page}" sandbox="allow-scripts" '
+                f'style="width:100%;height:{int(self.height)}px;border:0"></iframe>')
+
+
+def view(trace: Trace, tokens: Sequence[str], *, batch_index: int = 0, title: str = "attnkit") -> HeadView:
+    """A :class:`HeadView` of every record of ``trace`` for one sequence of the batch."""
+    return HeadView(list(tokens), trace_layers(trace, batch_index), title=title)
