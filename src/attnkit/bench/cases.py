@@ -57,8 +57,8 @@ EVERY_LAYER = ["attnkit", "attnkit-sdpa", "attnkit-chunked", "attnkit-math", "ra
                "torch-mha-is-causal", "torch-mha-weights", "textbook-mha", "textbook-wrapper", "lfs-mha",
                "lfs-wrapper", "hf-gpt2-eager", "hf-gpt2-sdpa"]
 CORES = ["core-auto", "core-sdpa", "core-chunked", "core-torch-sdpa", "core-math"]
-DECODERS = ["decode-attnkit-cache", "decode-attnkit-recompute", "decode-hf-gpt2-eager-cache",
-            "decode-hf-gpt2-sdpa-cache"]
+DECODERS = ["decode-attnkit-cache", "decode-attnkit-cache-keymask", "decode-attnkit-recompute",
+            "decode-hf-gpt2-eager-cache", "decode-hf-gpt2-sdpa-cache"]
 PADDED = ["attnkit", "attnkit-padded", "core-auto", "core-auto-padded", "core-sdpa-padded", "core-chunked-padded"]
 
 
@@ -67,7 +67,8 @@ def quick() -> list[Case]:
     return (grid(LAYER_RIVALS, ["inference"], [1], [1024])
             + grid(["attnkit", "raw-sdpa", "torch-mha-is-causal", "attnkit-chunked"], ["training"], [1], [1024])
             + grid(["core-auto", "core-chunked"], ["inference"], [1], [2048])
-            + grid(["decode-attnkit-cache", "decode-attnkit-recompute"], ["decode"], [1], [1024]))
+            + grid(["decode-attnkit-cache", "decode-attnkit-cache-keymask", "decode-attnkit-recompute"],
+                   ["decode"], [1], [1024]))
 
 
 def full() -> list[Case]:

@@ -234,6 +234,8 @@ def _decoders() -> list[Contender]:
     return [
         Contender("decode-attnkit-cache", "attnkit layer + KVCache, one token", decode.attnkit_cache,
                   kind="decode", per_call=decode.STEPS),
+        Contender("decode-attnkit-cache-keymask", "attnkit layer + KVCache + key mask, one token",
+                  decode.attnkit_cache_keymask, kind="decode", per_call=decode.STEPS),
         Contender("decode-attnkit-recompute", "attnkit layer, whole prefix recomputed", decode.recompute,
                   kind="decode"),
         Contender("decode-hf-gpt2-eager-cache", "transformers GPT2Attention (eager) + DynamicCache",

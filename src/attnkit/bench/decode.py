@@ -2,6 +2,8 @@
 
 - ``decode-attnkit-cache``: attnkit layer with a :class:`~attnkit.KVCache`
   holding the context; one step attends one new token to it;
+- ``decode-attnkit-cache-keymask``: the same with a key mask (one padding
+  position, as a left-padded batch has) on every step;
 - ``decode-attnkit-recompute``: no cache, the whole prefix recomputed for the
   new token (one forward of context + 1 tokens);
 - ``decode-hf-gpt2-{eager,sdpa}-cache``: transformers' GPT2Attention with
@@ -38,6 +40,22 @@ def attnkit_cache(reference: MultiHeadAttention, context: int, x: torch.Tensor) 
     def step() -> None:
         for _ in range(STEPS):
             reference(token, kv_cache=cache)
+        cache.crop(context)
+
+    return step
+
+
+def attnkit_cache_keymask(reference: MultiHeadAttention, context: int, x: torch.Tensor) -> Callable[[], None]:
+    """:func:`attnkit_cache` with a (B, S) key mask on every step; position 0 is padding."""
+    cache = KVCache()
+    keys = torch.ones(x.shape[0], context + STEPS, dtype=torch.bool, device=x.device)  # (B, S + STEPS)
+    keys[:, 0] = False
+    reference(x[:, :context], kv_cache=cache, key_mask=keys[:, :context])
+    token = x[:, context : context + 1]
+
+    def step() -> None:
+        for i in range(STEPS):
+            reference(token, kv_cache=cache, key_mask=keys[:, : context + i + 1])
         cache.crop(context)
 
     return step

@@ -109,6 +109,11 @@ def _core_and_decode_targets(by: dict[tuple[str, str, int, int], Row], matmul: f
             share = row["gflops"] / matmul
             out.append(Target(f"inference B={b} T=4096: default attention core", ">= 70% of the matmul rate",
                               f"{row['gflops']:.0f} GFLOP/s = {share:.0%} of {matmul:.0f}", share >= 0.70))
+        masked = by.get(("decode-attnkit-cache-keymask", mode, b, t))
+        if name == "decode-attnkit-cache" and masked is not None:
+            ratio = masked["median_ms"] / row["median_ms"]
+            out.append(Target(f"decode at {t}: KVCache step with a key mask vs without", "<= 1.15x",
+                              f"{ratio:.2f}x", ratio <= 1.15))
         if name == "decode-attnkit-cache" and t == 4096:
             recompute = by.get(("decode-attnkit-recompute", mode, b, t))
             if recompute is not None:

@@ -1,0 +1,176 @@
+"""The generate suite: a real decoder's prefill and decode speed, attnkit beside transformers.
+
+At batch 1 on SmolLM2-135M-Instruct (same weights, same dtype), for each
+prompt length: prefill tokens/s and decode tokens/s of attnkit's generation
+loop and of transformers' ``generate``, measured interleaved (one run of
+each per round) and summarised by the median. In the same run, the machine's
+decode bound: one pass of matrix-vector products over every weight matrix
+of the model (a decoding step cannot read its weights faster), and the share
+of teacher-forced positions of a fixed text where bfloat16's greedy choice
+equals float32's. Peak memory is not measured here (see the notes in the
+result): the other suites' per-process measurement does not cover model loads.
+
+    python -m attnkit.bench.generate            # prints a table
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit._optional import require
+
+_TEXT = ("The Roman Empire was the post-Republican state of ancient Rome. It is generally understood to mean "
+         "the period and territory ruled by the Romans following Octavian's assumption of sole rule under the "
+         "Principate in 27 BC. It included territories in Europe, North Africa, and Western Asia, and was "
+         "ruled by emperors. The fall of the Western Roman Empire in 476 AD conventionally marks the end of "
+         "classical antiquity and the beginning of the Middle Ages. ")
+
+
+def _prompt(model: Any, length: int) -> Tensor:
+    """A (1, length) prompt: the fixed text's ids, repeated as needed."""
+    ids = model.tokenizer.encode(_TEXT)
+    reps = -(-length // len(ids))
+    return torch.tensor([(ids * reps)[:length]], dtype=torch.long)  # (1, T)
+
+
+def _attnkit_run(model: Any, ids: Tensor, new_tokens: int) -> tuple[float, float]:
+    from attnkit.models import GenerationStats
+
+    stats = GenerationStats()
+    model.generate(ids, max_new_tokens=new_tokens, stop_ids=[], stats=stats)
+    return stats.prefill_tokens_per_s, stats.decode_tokens_per_s
+
+
+def _hf_run(hf: Any, ids: Tensor, new_tokens: int) -> tuple[float, float]:
+    """transformers' generate: prefill = a 1-token generate; decode = the rest of a full one."""
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=2)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, **kw)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        total = time.perf_counter() - start
+    return ids.shape[1] / prefill, (new_tokens - 1) / max(total - prefill, 1e-9)
+
+
+def decode_bound_seconds(model: Any, repeats: int = 5) -> float:
+    """Median seconds of one matrix-vector product with every weight matrix (the head included)."""
+    mats = [p for n, p in model.named_parameters() if p.dim() == 2]
+    vecs = [torch.randn(1, m.shape[1], dtype=m.dtype) for m in mats]
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for m, v in zip(mats, vecs, strict=True):
+                torch.nn.functional.linear(v, m)  # (1, in) -> (1, out)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def greedy_agreement(reference: Any, other: Any, length: int = 256) -> float:
+    """Share of teacher-forced positions of the fixed text where both models' argmax agree."""
+    ids = _prompt(reference, length)
+    with torch.inference_mode():
+        a = reference(ids).argmax(-1)  # (1, T, V) -> (1, T)
+        b = other(ids).argmax(-1)
+    return float((a == b).double().mean())
+
+
+def _median_rates(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def run_generate_suite(*, dtype: str = "float32", prompt_lens: tuple[int, ...] = (16, 512), new_tokens: int = 128,
+                       repeats: int = 3, include_transformers: bool = True,
+                       log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Rows (dicts) of prefill/decode tokens/s per contender and prompt length, the bound and bf16 agreement."""
+    from attnkit.models import load_smollm2
+    from attnkit.models.llama import smollm2_path
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    say = log or (lambda _: None)
+    model = load_smollm2(dtype=torch_dtype)
+    contenders: dict[str, Callable[[Tensor], tuple[float, float]]] = {
+        "attnkit": lambda ids: _attnkit_run(model, ids, new_tokens)}
+    if include_transformers:
+        transformers = require("transformers", "The generate benchmark's transformers contender")
+        path = smollm2_path()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch_dtype).eval()
+        contenders["transformers"] = lambda ids: _hf_run(hf, ids, new_tokens)
+    env = {"dtype": dtype, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    rows: list[dict[str, Any]] = []
+    bound = decode_bound_seconds(model)
+    rows.append({"kind": "bound", **env, "seconds_per_pass": bound, "decode_tokens_per_s": 1 / bound})
+    for length in prompt_lens:
+        ids = _prompt(model, length)
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+        for run in contenders.values():  # warm-up
+            run(ids[:, :8])
+        for r in range(repeats):
+            for name, run in contenders.items():  # interleaved: one run of each per round
+                say(f"T={length} round {r + 1}/{repeats}: {name}")
+                runs[name].append(run(ids))
+        for name, results in runs.items():
+            prefill, decode = _median_rates(results)
+            rows.append({"kind": "generate", **env, "contender": name, "prompt_len": length, "new_tokens": new_tokens,
+                         "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
+                         "decode_share_of_bound": decode * bound, "peak_memory": None})
+    reference = model if torch_dtype == torch.float32 else load_smollm2()
+    other = load_smollm2(dtype=torch.bfloat16) if torch_dtype == torch.float32 else model
+    rows.append({"kind": "bf16_agreement", **env, "positions": 256,
+                 "agreement": greedy_agreement(reference, other)})
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of the suite's rows."""
+    lines = []
+    for row in rows:
+        if row["kind"] == "bound":
+            lines.append(f"decode bound ({row['dtype']}, {row['threads']} threads): "
+                         f"{row['seconds_per_pass'] * 1e3:.1f} ms per pass of all weights = "
+                         f"{row['decode_tokens_per_s']:.1f} tokens/s")
+        elif row["kind"] == "bf16_agreement":
+            lines.append(f"bf16 vs float32 greedy agreement on {row['positions']} teacher-forced positions: "
+                         f"{row['agreement']:.1%}")
+        else:
+            lines.append(f"{row['contender']:>12} T={row['prompt_len']:>4} +{row['new_tokens']}: prefill "
+                         f"{row['prefill_tokens_per_s']:8.1f} tok/s, decode {row['decode_tokens_per_s']:6.1f} tok/s "
+                         f"({row['decode_share_of_bound']:.0%} of bound)")
+    gen = {(r["contender"], r["prompt_len"]): r for r in rows if r["kind"] == "generate"}
+    for (name, length), row in gen.items():
+        if name == "attnkit" and ("transformers", length) in gen:
+            ratio = row["decode_tokens_per_s"] / gen[("transformers", length)]["decode_tokens_per_s"]
+            lines.append(f"T={length}: attnkit decode / transformers decode = {ratio:.2f}x")
+    lines.append("peak memory: not measured by this suite")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The generate benchmark suite (SmolLM2-135M, batch 1).")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompt-lens", default="16,512")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-transformers", action="store_true")
+    args = parser.parse_args()
+    rows = run_generate_suite(dtype=args.dtype, prompt_lens=tuple(int(x) for x in args.prompt_lens.split(",")),
+                              new_tokens=args.new_tokens, repeats=args.repeats,
+                              include_transformers=not args.no_transformers, log=print)
+    print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    main()
