@@ -10,6 +10,7 @@ import pytest
 
 from attnkit import cli
 from attnkit.inspect.walkthrough import STEPS
+from tests._util import need
 
 
 @pytest.fixture(autouse=True)
@@ -116,6 +117,24 @@ def test_minilm_walkthrough_png_html_json(capsys, tmp_path):
     assert abs(sum(weights["data"][1]) - 1) < 1e-4
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "p.html").read_text().count('"name":"layers.') == 6
+
+
+def test_smollm2_walkthrough_shows_a_decoder_head_and_rejects_a_missing_layer(capsys, tmp_path):
+    need("gguf")
+    code, out, _ = run(capsys, "--model", "smollm2", "The cat sat on the mat.", "--layer", "20", "--head", "3",
+                       "--steps", "softmax", "--json", str(tmp_path / "s.json"))
+    assert code == 0, out
+    assert "layer 20 (layers.20.attention), head 3" in out and "SmolLM2-135M-Instruct" in out
+    doc = json.loads((tmp_path / "s.json").read_text())
+    weights = next(s for s in doc["steps"] if s["key"] == "softmax")["tensors"]["weights"]
+    t = len(doc["tokens"])
+    assert weights["shape"] == [t, t] and doc["tokens"][:2] == ["The", " cat"]
+    rows = [weights["data"][i * t:(i + 1) * t] if isinstance(weights["data"][0], float) else weights["data"][i]
+            for i in range(t)]
+    assert all(abs(sum(r) - 1) < 1e-4 for r in rows)
+    assert all(r[j] == 0 for i, r in enumerate(rows) for j in range(i + 1, t))  # causal: no later token
+    code, _, err = run(capsys, "--model", "smollm2", "hi", "--layer", "30")
+    assert code == 2 and "layer 30 is out of range: SmolLM2 has layers 0 to 29" in err
 
 
 @pytest.mark.parametrize(("args", "message"), [

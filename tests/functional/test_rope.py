@@ -85,3 +85,16 @@ def test_bad_arguments():
         RotaryEmbedding(8)(torch.randn(1, 1, 2, 6), torch.randn(1, 1, 2, 6))
     with pytest.raises(ValueError, match=r"same positions, got T=2 and 3"):
         RotaryEmbedding(8)(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 3, 8))
+
+
+def test_remembered_angles_never_leak_an_inference_tensor_into_autograd():
+    """The last call's angles are reused only in the same mode: inference-mode tensors cannot be saved for backward."""
+    rope = RotaryEmbedding(8)
+    q = torch.randn(1, 2, 3, 8)
+    with torch.inference_mode():
+        expected = rope(q, q, offset=4)
+    x = q.clone().requires_grad_()
+    rotated, _ = rope(x, x, offset=4)  # same positions, outside inference mode
+    rotated.sum().backward()
+    torch.testing.assert_close(rotated.detach(), expected[0])
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -22,9 +22,13 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)  # -> (..., D)
 
 
-def _apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (..., T, D) rotated by angles whose cos and sin are (T, D)."""
-    return x * cos + rotate_half(x) * sin
+def _apply(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x (..., T, D) rotated by angles whose cos and sin are (T, D).
+
+    ``signed_sin`` is (-sin, sin) by halves, so that rotate_half(x) * sin is
+    x.roll(D/2) * signed_sin: one op instead of a chunk, a negation and a cat.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -44,6 +48,10 @@ class RotaryEmbedding(nn.Module):
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
             raise ValueError(f"RotaryEmbedding base must be > 1, got base={base!r} (expected a finite number)")
         self.head_dim, self.base = head_dim, float(base)
+        self._last: tuple[tuple[object, ...], tuple[Tensor, Tensor]] | None = None  # see _angles_at
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**super().__getstate__(), "_last": None}  # the cache is not part of the module
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin of each position's angles, (T, D), both halves alike."""
@@ -54,11 +62,33 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # (T, D/2) -> (T, D)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
+    def _signed(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and (-sin, sin) by halves, (T, D), for :func:`_apply`."""
+        cos, sin = self.cos_sin(positions, dtype)
+        half = self.head_dim // 2
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # (T, D)
+
+    def _angles_at(self, offset: int, length: int, dtype: torch.dtype, device: torch.device
+                   ) -> tuple[Tensor, Tensor]:
+        """:meth:`_signed` for positions offset .. offset + length - 1, remembering the last call's.
+
+        A model whose layers share one RotaryEmbedding computes the angles of
+        a decoding step once instead of once per layer.
+        """
+        if torch.compiler.is_compiling():  # the graph computes them; no Python-side state
+            return self._signed(torch.arange(offset, offset + length, device=device), dtype)
+        key = (offset, length, dtype, device, torch.is_inference_mode_enabled())
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        angles = self._signed(torch.arange(offset, offset + length, device=device), dtype)
+        self._last = (key, angles)
+        return angles
+
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """x (..., T, D) rotated by the angles of ``positions`` (T,)."""
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size {x.shape[-1]}")
-        return _apply(x, *self.cos_sin(positions, x.dtype))
+        return _apply(x, *self._signed(positions, x.dtype))
 
     def forward(self, q: Tensor, k: Tensor, *, offset: int = 0) -> tuple[Tensor, Tensor]:
         """Rotate q and k (B, *, T, D) as positions offset .. offset + T - 1 (angles computed once)."""
@@ -67,8 +97,7 @@ class RotaryEmbedding(nn.Module):
         if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size "
                              f"{q.shape[-1]} and {k.shape[-1]}")
-        positions = torch.arange(offset, offset + q.shape[-2], device=q.device)
-        cos, sin = self.cos_sin(positions, q.dtype)  # (T, D) each
+        cos, sin = self._angles_at(offset, q.shape[-2], q.dtype, q.device)  # (T, D) each
         return _apply(q, cos, sin), _apply(k, cos.to(k.dtype), sin.to(k.dtype))
 
     def extra_repr(self) -> str:

@@ -18,7 +18,6 @@ from . import walkthrough as wt
 from .html import trace_layers
 from .trace import trace
 
-MODELS = ("minilm",)
 MAX_TOY_D_OUT = 4096  # the toy's out_proj is (d_out, d_out): 64 MiB of float32 at 4096; no table shows more
 SEEDS = (-(2**63), 2**64 - 1)  # the range torch.manual_seed takes
 
@@ -67,29 +66,69 @@ def _check_toy(d_out: int, seed: int) -> None:
         raise ValueError(f"seed={seed} is out of range: torch takes seeds from -2**63 to 2**64 - 1")
 
 
-def explain_model(model_name: str, text: str | None, *, layer: int = 0, head: int = 0,
-                  truncate: bool = False) -> Explanation:
-    """A pretrained model's real tokens and weights: the walkthrough of one layer and head."""
-    if model_name not in MODELS:
-        raise ValueError(f"unknown model {model_name!r}; choose from: {', '.join(MODELS)}")
+@dataclass(frozen=True)
+class _Traced:
+    """A model run once under :func:`trace`: its tokens, records and how to describe it."""
+
+    name: str  # e.g. "MiniLM"
+    description: str  # one header line
+    tokens: tuple[str, ...]
+    token_note: str
+    recorded: Any  # Trace
+
+
+def _run_minilm(text: str, truncate: bool) -> _Traced:
     from attnkit.models import load_minilm
 
     model = load_minilm()
-    layers = len(model.layers)
-    if not 0 <= layer < layers:
-        raise ValueError(f"layer {layer} is out of range: MiniLM has layers 0 to {layers - 1}")
-    text = tb.SENTENCE if text is None else text
     batch = model.tokenize(text, truncate=truncate)
     tokens = tuple(model.token_strings(batch["input_ids"])[0])
     with trace(model) as recorded:
         model(batch["input_ids"], attention_mask=batch["attention_mask"])
-    record = recorded.records[layer]
+    return _Traced("MiniLM", "all-MiniLM-L6-v2 (6 layers x 12 heads, hidden 384) on attnkit layers", tokens,
+                   "word pieces, with [CLS] and [SEP]", recorded)
+
+
+def _run_smollm2(text: str, truncate: bool) -> _Traced:
+    from attnkit.models import load_smollm2
+
+    model = load_smollm2()
+    ids = model.tokenize(text)["input_ids"]  # (1, T)
+    if ids.shape[1] > model.context_length:
+        if not truncate:
+            raise ValueError(f"the text is {ids.shape[1]} tokens, longer than SmolLM2's {model.context_length}; "
+                             "pass --truncate to cut it")
+        ids = ids[:, : model.context_length]
+    tokens = tuple(model.decode([i], skip_special_tokens=False) for i in ids[0].tolist())
+    with trace(model) as recorded:
+        model(ids)
+    c = model.config
+    return _Traced("SmolLM2", f"SmolLM2-135M-Instruct ({c.num_layers} layers x {c.num_heads} heads over "
+                   f"{c.num_kv_heads} key/value heads, hidden {c.d_model}, RoPE) on attnkit layers", tokens,
+                   "byte-level BPE tokens", recorded)
+
+
+_RUNNERS = {"minilm": _run_minilm, "smollm2": _run_smollm2}
+MODELS = tuple(_RUNNERS)
+
+
+def explain_model(model_name: str, text: str | None, *, layer: int = 0, head: int = 0,
+                  truncate: bool = False) -> Explanation:
+    """A pretrained model's real tokens and weights: the walkthrough of one layer and head."""
+    if model_name not in _RUNNERS:
+        raise ValueError(f"unknown model {model_name!r}; choose from: {', '.join(MODELS)}")
+    text = tb.SENTENCE if text is None else text
+    run = _RUNNERS[model_name](text, truncate)
+    layers = len(run.recorded.records)
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer {layer} is out of range: {run.name} has layers 0 to {layers - 1}")
+    record = run.recorded.records[layer]
     steps = wt.record_steps(record, head)
     header = [
-        f"text:  {text}  ({len(tokens)} word pieces, with [CLS] and [SEP])",
-        "model: all-MiniLM-L6-v2 (6 layers x 12 heads, hidden 384) on attnkit layers",
+        f"text:  {text}  ({len(run.tokens)} {run.token_note})",
+        f"model: {run.description}",
         f"shown: layer {layer} ({record.name}), head {head}; weights are the model's own",
     ]
-    meta = {"text": text, "model": "all-MiniLM-L6-v2", "layer": layer, "head": head}
-    return Explanation(tokens, steps, header, f"MiniLM layer {layer}: {text}", record.weights[0],
-                       trace_layers(recorded), meta)
+    meta = {"text": text, "model": run.name, "layer": layer, "head": head}
+    return Explanation(run.tokens, steps, header, f"{run.name} layer {layer}: {text}", record.weights[0],
+                       trace_layers(run.recorded), meta)

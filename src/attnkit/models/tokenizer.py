@@ -1,0 +1,172 @@
+"""A byte-level BPE tokenizer built from a GGUF file's own vocabulary and merges.
+
+The ``tokenizers`` library does the work (extra ``models``); this module only
+assembles it from the metadata llama.cpp writes (``tokenizer.ggml.*``) and
+renders the file's chat template with jinja2 in a sandbox.
+
+    tok = GGUFTokenizer.from_metadata(file.metadata, context_length=8192)
+    batch = tok.tokenize(["Hi", "Hello there"])   # left-padded (B, T)
+    tok.decode(batch["input_ids"][1])             # "Hello there"
+
+Legend: B batch, T tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit._optional import require
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+# How each pre-tokenizer named in tokenizer.ggml.pre splits text before the merges.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_TOKENIZERS = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm": "digits",
+                   "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3"}
+_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+
+
+def _pre_tokenizer(kind: str) -> Any:
+    pre = require("tokenizers.pre_tokenizers", "The GGUF tokenizer")
+    tokenizers = require("tokenizers", "The GGUF tokenizer")
+    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=kind != "llama3")
+    if kind == "digits":  # SmolLM: every digit on its own, then GPT-2's split
+        return pre.Sequence([pre.Digits(individual_digits=True), byte_level])
+    if kind == "llama3":
+        return pre.Sequence([pre.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior="isolated"), byte_level])
+    return byte_level
+
+
+class GGUFTokenizer:
+    """Byte-level BPE from ``tokens`` and ``merges``, with special tokens and a chat template.
+
+    Args:
+        tokens: the vocabulary, index = token id.
+        merges: BPE merges, best first, each "left right".
+        token_types: llama.cpp's type of each token (3 = control, 4 = user-defined).
+        pre_tokenizer: llama.cpp's name for the split ("smollm", "gpt-2", "llama-bpe", ...).
+        bos_id, eos_id, pad_id: special ids (pad_id None: eos_id pads).
+        add_bos: put bos_id before every text.
+        chat_template: a jinja2 template (Hugging Face's convention), or None.
+        context_length: the most tokens a text may have.
+    """
+
+    def __init__(self, tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int], *,
+                 pre_tokenizer: str, bos_id: int | None, eos_id: int, pad_id: int | None, add_bos: bool,
+                 chat_template: str | None, context_length: int) -> None:
+        tokenizers = require("tokenizers", "The GGUF tokenizer")
+        if pre_tokenizer not in _PRE_TOKENIZERS:
+            raise ValueError(f"pre-tokenizer {pre_tokenizer!r} is not supported; supported: "
+                             f"{', '.join(sorted(_PRE_TOKENIZERS))}")
+        vocab = {token: i for i, token in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        bpe = tokenizers.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+        self._tok = tokenizers.Tokenizer(bpe)
+        self._tok.pre_tokenizer = _pre_tokenizer(_PRE_TOKENIZERS[pre_tokenizer])
+        self._tok.decoder = tokenizers.decoders.ByteLevel()
+        types = list(token_types) or [1] * len(tokens)
+        specials = [t for t, kind in zip(tokens, types, strict=True) if kind == _CONTROL]
+        self._tok.add_special_tokens([tokenizers.AddedToken(t, normalized=False, special=True) for t in specials])
+        added = [t for t, kind in zip(tokens, types, strict=True) if kind == _USER_DEFINED]
+        self._tok.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False) for t in added])
+        self.tokens = list(tokens)
+        self.vocab_size = len(tokens)
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.pad_id = eos_id if pad_id is None else pad_id
+        self.chat_template, self.context_length = chat_template, context_length
+        self.stop_ids = tuple(sorted({eos_id} | {vocab[t] for t in _END_TOKENS if t in vocab}))
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], *, context_length: int) -> GGUFTokenizer:
+        """The tokenizer a GGUF file's ``tokenizer.*`` metadata describes (byte-level BPE only)."""
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"tokenizer model {kind!r} is not supported: only byte-level BPE ('gpt2') is")
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id"):
+            if key not in metadata:
+                raise ValueError(f"the GGUF metadata has no {key!r}")
+        return cls(metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.merges"],
+                   metadata.get("tokenizer.ggml.token_type", []),
+                   pre_tokenizer=metadata.get("tokenizer.ggml.pre", "default"),
+                   bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
+                   eos_id=metadata["tokenizer.ggml.eos_token_id"],
+                   pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
+                   add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=metadata.get("tokenizer.chat_template"), context_length=context_length)
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of one text (special tokens written in it are matched whole)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+
+    def tokenize(self, texts: str | Sequence[str]) -> dict[str, Tensor]:
+        """``input_ids`` and ``attention_mask`` (B, T) long, left-padded with the pad id.
+
+        Raises ValueError for an empty text and for one longer than the context.
+        """
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if not texts:
+            raise ValueError("tokenize() needs at least one text, got an empty list")
+        rows = []
+        for i, text in enumerate(texts):
+            ids = self.encode(text)
+            if not ids:
+                raise ValueError(f"text {i} is empty ({text!r}): a prompt needs at least one token")
+            if len(ids) > self.context_length:
+                raise ValueError(f"text {i} has {len(ids)} tokens, more than the model's context length "
+                                 f"{self.context_length}; shorten it (nothing is truncated)")
+            rows.append(ids)
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (B, T)
+        attention_mask = torch.zeros(len(rows), width, dtype=torch.long)  # (B, T)
+        for row, ids in enumerate(rows):
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def decode(self, ids: Tensor | Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of a 1-D sequence of ids (special tokens such as padding left out by default)."""
+        if isinstance(ids, Tensor):
+            if ids.dim() != 1:
+                raise ValueError(f"decode() takes one row of ids (1-D), got shape {tuple(ids.shape)}")
+            ids = ids.tolist()
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The file's chat template rendered for ``messages`` ([{"role", "content"}, ...]).
+
+        Rendered in jinja2's sandbox, as Hugging Face's ``apply_chat_template``
+        does, ending with the assistant's turn opened when ``add_generation_prompt``.
+        """
+        if self.chat_template is None:
+            raise ValueError("this model's file has no chat template (tokenizer.chat_template)")
+        if isinstance(messages, (str, Mapping)) or not messages:
+            raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(
+                    m.get("content"), str):
+                raise ValueError(f"message {i} must be a dict with str 'role' and 'content', got {m!r}")
+        sandbox = require("jinja2.sandbox", "Chat templates")
+        env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template error: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        special = {"bos_token": "" if self.bos_id is None else self.tokens[self.bos_id],
+                   "eos_token": self.tokens[self.eos_id]}
+        rendered: str = env.from_string(self.chat_template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **special)
+        return rendered

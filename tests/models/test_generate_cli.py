@@ -1,0 +1,118 @@
+"""``attnkit generate`` and ``attnkit chat`` on a tiny GGUF file (--gguf), so they run in a second."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from attnkit.cli import main
+from tests._util import need
+from tests.models._decoder import write_tiny_llama
+
+need("gguf")
+need("tokenizers")
+need("rich")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("cli") / "tiny.gguf"
+    write_tiny_llama(path, context=64)
+    return str(path)
+
+
+def _expected(path: str, prompt: str, n: int) -> str:
+    from attnkit.models import load_gguf
+
+    model = load_gguf(path)
+    ids = model.tokenize(prompt)["input_ids"]
+    return model.decode(model.generate(ids, max_new_tokens=n)[0, ids.shape[1] :])
+
+
+def test_generate_streams_the_greedy_continuation_and_reports_speed(tiny: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--gguf", tiny, "--max-new-tokens", "6", "the", "sin"]) == 0
+    out, err = capsys.readouterr()
+    assert out == _expected(tiny, "the sin", 6) + "\n"
+    assert "tokens/s" in err and "prompt:" in err
+
+
+def test_generate_chat_wraps_the_prompt_in_the_template(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--gguf", tiny, "--chat", "--max-new-tokens", "5", "hi"]) == 0
+    out, _ = capsys.readouterr()
+    chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert out == _expected(tiny, chat, 5) + "\n"
+
+
+def test_generate_sampling_with_a_seed_repeats(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["generate", "--gguf", tiny, "--max-new-tokens", "8", "--temperature", "50", "--top-p", "0.9",
+            "--seed", "3", "the"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--temperature", "-1"], "temperature=-1.0"),
+    (["--top-p", "1.5"], "top_p=1.5"),
+    ([" "], "the prompt is empty"),
+])
+def test_generate_bad_options_exit_2_with_one_line(tiny: str, capsys: pytest.CaptureFixture[str],
+                                                   args: list[str], message: str) -> None:
+    prompt = [] if args == [" "] else ["hi"]
+    assert main(["generate", "--gguf", tiny, *args, *prompt]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_generate_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--gguf", str(tmp_path / "none.gguf"), "hi"]) == 2
+    assert "none.gguf" in capsys.readouterr().err
+
+
+def _typing(lines: list[str]) -> Iterator[str]:
+    yield from lines
+    raise EOFError  # Ctrl-D
+
+
+def test_chat_keeps_the_conversation_and_resets(tiny: str, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit.models import load_gguf
+
+    lines = _typing(["hi", "the", "/reset", "the"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out.split("\n")
+    model = load_gguf(tiny)
+
+    def answer(messages: list[dict[str, str]]) -> str:
+        ids = model.tokenize(model.chat_prompt(messages))["input_ids"]
+        return model.decode(model.generate(ids, max_new_tokens=4)[0, ids.shape[1] :])
+
+    first = answer([{"role": "user", "content": "hi"}])
+    second = answer([{"role": "user", "content": "hi"}, {"role": "assistant", "content": first},
+                     {"role": "user", "content": "the"}])
+    after_reset = answer([{"role": "user", "content": "the"}])
+    assert out[:3] == [first, second, after_reset]
+
+
+@pytest.mark.parametrize("ending", [EOFError, KeyboardInterrupt])
+def test_chat_ends_cleanly_on_ctrl_d_and_ctrl_c(tiny: str, monkeypatch: pytest.MonkeyPatch,
+                                                 ending: type[BaseException]) -> None:
+    def press(prompt: str = "") -> str:
+        raise ending
+
+    monkeypatch.setattr(builtins, "input", press)
+    assert main(["chat", "--gguf", tiny]) == 0
+
+
+def test_chat_exit_command(tiny: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = iter(["/exit", "never read"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    assert main(["chat", "--gguf", tiny]) == 0
+    assert capsys.readouterr().out == ""

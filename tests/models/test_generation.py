@@ -1,0 +1,242 @@
+"""The generation loop on a tiny random Llama (fast, float64-exact) and on SmolLM2 (real weights).
+
+Bugs these catch: a cache step that sees the wrong positions (rotary offset,
+mask alignment), left padding that changes a row's result, sampling that
+ignores the seed or its filters, stop ids that do not stop or do not pad,
+and bad inputs that slip through.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._util import need
+from tests.models._decoder import smollm2, write_tiny_llama
+
+need("gguf")
+need("tokenizers")
+
+from attnkit.models import GenerationStats, load_gguf  # noqa: E402
+from attnkit.models.generation import Sampler  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gen") / "tiny.gguf"
+    write_tiny_llama(path, context=64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_path: Path) -> Any:
+    return load_gguf(tiny_path, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def tiny32(tiny_path: Path) -> Any:
+    return load_gguf(tiny_path)
+
+
+def _cached_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor | None, prefill: int) -> torch.Tensor:
+    """Logits from a prefill of ``prefill`` tokens, then one token per step through the caches."""
+    caches = model.new_caches()
+    out = [model(ids[:, :prefill], None if mask is None else mask[:, :prefill], kv_caches=caches)]
+    for t in range(prefill, ids.shape[1]):
+        out.append(model(ids[:, t : t + 1], None if mask is None else mask[:, : t + 1], kv_caches=caches))
+    return torch.cat(out, dim=1)  # (B, T, V)
+
+
+@pytest.mark.parametrize("prefill", [1, 3, 9])
+def test_cached_steps_equal_full_forward_float64(tiny64: Any, prefill: int) -> None:
+    """Every cached step equals the full forward to 1e-9 (float64), padded rows included."""
+    g = torch.Generator().manual_seed(prefill)
+    ids = torch.randint(3, tiny64.vocab_size, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :4] = False  # a left-padded row
+    with torch.no_grad():
+        full = tiny64(ids, mask)
+        cached = _cached_logits(tiny64, ids, mask, prefill)
+    torch.testing.assert_close(cached[mask], full[mask], atol=1e-9, rtol=1e-9)
+
+
+def test_cached_steps_equal_full_forward_float32_smollm2() -> None:
+    model = smollm2()
+    ids = model.tokenize("The quick brown fox jumps over the lazy dog because")["input_ids"]
+    with torch.inference_mode():
+        full = model(ids)
+        cached = _cached_logits(model, ids, None, 4)
+    torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)
+
+
+def test_left_padded_batch_equals_each_row_alone_tiny(tiny64: Any) -> None:
+    """Padding shifts a row's rotary positions; relative positions, hence results, must not change."""
+    texts = ["the sin", "a", "the the a sin in"]
+    batch = tiny64.tokenize(texts)
+    together = tiny64.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, stop_ids=[])
+    width = batch["input_ids"].shape[1]
+    for row, text in enumerate(texts):
+        alone = tiny64.generate(tiny64.tokenize(text)["input_ids"], max_new_tokens=6, stop_ids=[])
+        n = alone.shape[1]
+        assert together[row, width:].tolist() == alone[0, n - 6 :].tolist()
+    with torch.no_grad():
+        logits = tiny64(batch["input_ids"], batch["attention_mask"])
+        alone_logits = tiny64(tiny64.tokenize(texts[1])["input_ids"])
+    torch.testing.assert_close(logits[1, -1], alone_logits[0, -1], atol=1e-9, rtol=1e-9)
+
+
+def test_left_padded_batch_equals_each_row_alone_smollm2() -> None:
+    model = smollm2()
+    texts = ["The capital of France is", "One, two, three, four,", "def fibonacci(n):"]
+    batch = model.tokenize(texts)
+    together = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8, stop_ids=[])
+    width = batch["input_ids"].shape[1]
+    for row, text in enumerate(texts):
+        ids = model.tokenize(text)["input_ids"]
+        alone = model.generate(ids, max_new_tokens=8, stop_ids=[])
+        assert together[row, width:].tolist() == alone[0, ids.shape[1] :].tolist(), text
+        with torch.inference_mode():
+            padded = model(batch["input_ids"][row : row + 1], batch["attention_mask"][row : row + 1])[0, -1]
+            single = model(ids)[0, -1]
+        torch.testing.assert_close(padded, single, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_returns_prompt_then_new_tokens_and_fills_stats(tiny32: Any) -> None:
+    ids = tiny32.tokenize("the sin")["input_ids"]
+    stats = GenerationStats()
+    out = tiny32.generate(ids, max_new_tokens=5, stop_ids=[], stats=stats)
+    assert out.shape == (1, ids.shape[1] + 5) and out.dtype == torch.long
+    assert torch.equal(out[:, : ids.shape[1]], ids)
+    assert (stats.prompt_tokens, stats.new_tokens) == (ids.shape[1], 5)
+    assert stats.prefill_seconds > 0 and stats.decode_seconds > 0
+    with torch.no_grad():  # greedy: each new token is the argmax of the full forward over what precedes it
+        logits = tiny32(out[:, :-1])
+    assert torch.equal(logits[0, ids.shape[1] - 1 :].argmax(-1), out[0, ids.shape[1] :])
+
+
+def test_stop_ids_end_a_row_and_pad_it(tiny32: Any) -> None:
+    """A row that emits a stop id keeps it, then only pad ids; the batch ends when all rows stopped."""
+    batch = tiny32.tokenize(["the sin", "a"])
+    free = tiny32.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8, stop_ids=[])
+    width = batch["input_ids"].shape[1]
+    stop = int(free[0, width + 2])  # row 0's third new token
+    first_in_row1 = [i for i, t in enumerate(free[1, width:].tolist()) if t == stop]
+    out = tiny32.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8, stop_ids=[stop])
+    row0 = out[0, width:].tolist()
+    end0 = row0.index(stop)
+    assert end0 <= 2 and all(t == tiny32.pad_token_id for t in row0[end0 + 1 :])
+    if not first_in_row1:  # row 1 never stops: it runs the full length, unchanged
+        assert out.shape[1] == width + 8 and out[1].tolist() == free[1].tolist()
+
+
+def test_default_stop_ids_are_end_of_turn_tokens(tiny32: Any) -> None:
+    assert set(tiny32.stop_token_ids) == {0, 2}  # <|endoftext|>, <|im_end|>
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny32: Any) -> None:
+    ids = tiny32.tokenize("the")["input_ids"]
+    runs = [tiny32.generate(ids, max_new_tokens=10, temperature=100.0, seed=s, stop_ids=[]) for s in (7, 7, 8)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])  # another seed, other tokens (10 nearly uniform draws)
+
+
+@pytest.mark.parametrize("options", [{"top_k": 1}, {"top_p": 1e-6}])
+def test_top_k_1_and_tiny_top_p_are_greedy(tiny32: Any, options: dict[str, Any]) -> None:
+    ids = tiny32.tokenize("the sin")["input_ids"]
+    greedy = tiny32.generate(ids, max_new_tokens=8, stop_ids=[])
+    sampled = tiny32.generate(ids, max_new_tokens=8, temperature=5.0, seed=0, stop_ids=[], **options)
+    assert torch.equal(sampled, greedy)
+
+
+def test_sampler_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    sampler = Sampler(1.0, None, 0.75)
+    g = torch.Generator().manual_seed(0)
+    seen = {int(sampler(probs.log(), g)) for _ in range(300)}
+    assert seen == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3: tokens 0 and 1 only
+
+
+def test_sampler_top_k_keeps_k_tokens() -> None:
+    logits = torch.tensor([[3.0, 2.9, 2.8, -5.0, 2.7]])
+    g = torch.Generator().manual_seed(0)
+    seen = {int(Sampler(1.0, 3, None)(logits, g)) for _ in range(300)}
+    assert seen == {0, 1, 2}
+
+
+def test_stream_yields_the_generated_text(tiny32: Any) -> None:
+    ids = tiny32.tokenize("the")["input_ids"]
+    out = tiny32.generate(ids, max_new_tokens=10, stop_ids=[])
+    pieces = list(tiny32.stream(ids, max_new_tokens=10, stop_ids=[]))
+    assert len(pieces) > 1
+    assert "".join(pieces) == tiny32.decode(out[0, ids.shape[1] :])
+
+
+def test_stream_holds_back_incomplete_utf8(tiny32: Any) -> None:
+    """Bytes of one character arrive as separate tokens: no piece may show a replacement character."""
+    from attnkit.models.generation import _pieces
+
+    ids = tiny32.tokenize("é€")["input_ids"][0]  # 2 + 3 bytes, one token each
+    steps = iter([t.view(1) for t in ids])
+    pieces = list(_pieces(steps, tiny32.decode))
+    assert pieces == ["é", "€"]
+
+
+BAD = [
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(max_new_tokens=2, temperature=-0.5), "temperature=-0.5"),
+    (dict(max_new_tokens=2, top_p=0.0), "top_p=0.0"),
+    (dict(max_new_tokens=2, top_p=1.5), "top_p=1.5"),
+    (dict(max_new_tokens=2, top_k=0), "top_k=0"),
+    (dict(max_new_tokens=2, stop_ids=[10**6]), "stop id 1000000"),
+    (dict(max_new_tokens=61), "exceeds the model.s context length 64; ask for at most 60"),
+]
+
+
+@pytest.mark.parametrize(("options", "message"), BAD)
+def test_bad_options_are_named(tiny32: Any, options: dict[str, Any], message: str) -> None:
+    ids = tiny32.tokenize("the sin")["input_ids"]
+    with pytest.raises(ValueError, match=message):
+        tiny32.generate(ids, **options)
+
+
+@pytest.mark.parametrize(("ids", "mask", "message"), [
+    (torch.zeros(1, 0, dtype=torch.long), None, "empty"),
+    (torch.tensor([[5, 265]]), None, "token id 265, outside the vocabulary"),
+    (torch.tensor([[5, -1]]), None, "token id -1"),
+    (torch.tensor([[5.0, 6.0]]), None, "torch.long"),
+    (torch.ones(1, 70, dtype=torch.long), None, "more than the model's context length 64"),
+    (torch.tensor([[5, 6]]), torch.ones(1, 3), "shape of input_ids"),
+    (torch.tensor([[5, 6]]), torch.ones(1, 2), "dtype torch.float32"),
+    (torch.tensor([[5, 6]]), torch.tensor([[1, 0]]), "left-padded"),
+    (torch.tensor([[5, 6]]), torch.tensor([[0, 0]]), "no real token"),
+    (torch.tensor([[5, 6]]), torch.tensor([[2, 1]]), "only 0 and 1"),
+])
+def test_bad_prompts_are_named(tiny32: Any, ids: torch.Tensor, mask: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny32.generate(ids, mask, max_new_tokens=1)
+
+
+def test_forward_checks_inputs(tiny32: Any) -> None:
+    with pytest.raises(ValueError, match=r"\(B, S\) = \(1, 3\)"):
+        tiny32(torch.tensor([[5]]), torch.ones(1, 1), kv_caches=_filled(tiny32, 2))
+    with pytest.raises(ValueError, match=r"dtype torch\.float32"):
+        tiny32(torch.tensor([[5, 6]]), torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"list of 2 attnkit\.KVCache"):
+        tiny32(torch.tensor([[5]]), kv_caches=[])
+    with pytest.raises(ValueError, match="exceed the model's context length 64"):
+        tiny32(torch.ones(1, 65, dtype=torch.long))
+
+
+def _filled(model: Any, n: int) -> list[Any]:
+    caches = model.new_caches()
+    with torch.no_grad():
+        model(torch.full((1, n), 5), kv_caches=caches)
+    return caches
+
+
+def test_stream_takes_one_prompt(tiny32: Any) -> None:
+    with pytest.raises(ValueError, match="batch of 2"):
+        tiny32.stream(torch.ones(2, 3, dtype=torch.long), max_new_tokens=2)

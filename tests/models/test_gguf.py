@@ -1,0 +1,137 @@
+"""GGUF reading and the Llama loader, on tiny files written by the test (no download, milliseconds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests._util import need
+from tests.models._decoder import llama_cpp_permute, write_tiny_llama
+
+need("gguf")
+need("tokenizers")
+
+from attnkit.models import LlamaConfig, load_gguf  # noqa: E402
+from attnkit.models.gguf import read_gguf, unpermute_rows  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return path, write_tiny_llama(path)
+
+
+@pytest.mark.parametrize(("rows", "heads"), [(8, 1), (24, 3), (64, 4)])
+def test_unpermute_inverts_llama_cpp_permute(rows: int, heads: int) -> None:
+    """A wrong reshape order (D/2, 2 vs 2, D/2) would scramble the rotary pairs."""
+    w = np.arange(rows * 5, dtype=np.float32).reshape(rows, 5)
+    permuted = llama_cpp_permute(w, heads)
+    assert not np.array_equal(permuted, w)
+    np.testing.assert_array_equal(unpermute_rows(permuted, heads), w)
+
+
+def test_unpermute_rejects_rows_not_split_into_even_heads() -> None:
+    with pytest.raises(ValueError, match="10 rows into 3 heads"):
+        unpermute_rows(np.zeros((10, 2), dtype=np.float32), 3)
+
+
+def test_loader_puts_unpermuted_q_k_v_into_fused_qkv(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    """Q rows, then K rows, then V rows, each back in half-split order; gate and up fused likewise."""
+    path, weights = tiny
+    model: Any = load_gguf(path)
+    for i in range(2):
+        expected = np.concatenate([weights[f"blk.{i}.attn_{n}.weight"] for n in "qkv"])
+        torch.testing.assert_close(model.layers[i].attention.qkv_proj.weight, torch.from_numpy(expected))
+        gate_up = np.concatenate([weights[f"blk.{i}.ffn_gate.weight"], weights[f"blk.{i}.ffn_up.weight"]])
+        torch.testing.assert_close(model.layers[i].mlp.gate_up_proj.weight, torch.from_numpy(gate_up))
+        torch.testing.assert_close(model.layers[i].attention.out_proj.weight,
+                                   torch.from_numpy(weights[f"blk.{i}.attn_output.weight"]))
+    torch.testing.assert_close(model.embed.weight, torch.from_numpy(weights["token_embd.weight"]))
+    assert model.lm_head is None  # no output.weight in the file: the head is tied
+    assert not model.training
+
+
+def test_loader_reads_config_from_metadata(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    model: Any = load_gguf(tiny[0])
+    assert model.config == LlamaConfig(vocab_size=265, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                       ffn_size=48, context_length=64, rope_base=10000.0,
+                                       norm_eps=model.config.norm_eps, tie_embeddings=True)
+    assert model.config.norm_eps == pytest.approx(1e-5)
+    attn = model.layers[0].attention
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (4, 2, 8)
+    assert attn.rope is not None and attn.rope.base == 10000.0
+
+
+def test_loader_casts_to_dtype(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    model = load_gguf(tiny[0], dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model(torch.tensor([[5, 6]])).dtype == torch.bfloat16
+
+
+def test_loader_reports_progress(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    calls: list[tuple[int, int]] = []
+    load_gguf(tiny[0], progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (3, 3) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_bad_dtype_is_named(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    with pytest.raises(ValueError, match=r"torch\.int64"):
+        load_gguf(tiny[0], dtype=torch.int64)
+
+
+def test_other_architecture_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "qwen.gguf"
+    write_tiny_llama(path, arch="qwen2")
+    with pytest.raises(ValueError, match="architecture 'qwen2' is not supported"):
+        load_gguf(path)
+
+
+def test_truncated_file_is_an_error(tiny: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
+    data = tiny[0].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut\.gguf"):
+        load_gguf(cut)
+
+
+def test_not_a_gguf_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "notes.gguf"
+    path.write_text("hello, I am not a model\n" * 20)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        read_gguf(path)
+
+
+def test_missing_file_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"nothing\.gguf"):
+        load_gguf(tmp_path / "nothing.gguf")
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "holes.gguf"
+    write_tiny_llama(path, drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight"):
+        load_gguf(path)
+
+
+def test_unknown_tensor_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "extra.gguf"
+    write_tiny_llama(path, extra={"rope_freqs.weight": np.ones(4, dtype=np.float32)})
+    with pytest.raises(ValueError, match=r"rope_freqs\.weight"):
+        load_gguf(path)
+
+
+def test_unsupported_tensor_type_is_named(tiny: tuple[Path, dict[str, np.ndarray]],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A type gguf cannot dequantise: the error names the tensor and its type."""
+    gguf = need("gguf")
+
+    def refuse(data: np.ndarray, qtype: object) -> np.ndarray:
+        raise NotImplementedError(f"Dequantization for {qtype} is not yet implemented")
+
+    monkeypatch.setattr(gguf, "dequantize", refuse)
+    with pytest.raises(ValueError, match=r"token_embd.weight.*type F32"):
+        load_gguf(tiny[0])

@@ -1,0 +1,108 @@
+"""The GGUF tokenizer: ids identical to transformers' tokenizer built from the same file, round trips,
+left padding, and its errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._util import need
+from tests.models._decoder import hf_smollm2, need_smollm2, write_tiny_llama
+
+need("gguf")
+need("tokenizers")
+
+from attnkit.models import load_gguf  # noqa: E402
+
+TEXTS = ["Hello, world!", "naïve café — Ünïcødé 你好 🙂", "digits 0123456789 and 3.14159 and 2024-11-23",
+         "runs of spaces:    four,  two,\ttab\n\nnewlines   ", "  leading and trailing  ",
+         "<|im_start|>user\nspecial tokens stay whole<|im_end|>", "def f(x):\n    return x**2  # code"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from attnkit.models.gguf import read_gguf
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer.from_metadata(read_gguf(need_smollm2()).metadata, context_length=8192)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_match_transformers(tokenizer: Any, text: str) -> None:
+    _, tok = hf_smollm2()
+    assert tokenizer.encode(text) == tok(text)["input_ids"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trips(tokenizer: Any, text: str) -> None:
+    assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == text
+
+
+def test_special_tokens_are_single_ids(tokenizer: Any) -> None:
+    assert tokenizer.encode("<|im_start|><|im_end|>") == [1, 2]
+    assert tokenizer.stop_ids == (0, 2) and tokenizer.pad_id == 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path: Path = tmp_path_factory.mktemp("tok") / "tiny.gguf"
+    write_tiny_llama(path, context=16)
+    return load_gguf(path)
+
+
+def test_tokenize_left_pads(tiny: Any) -> None:
+    batch = tiny.tokenize(["the sin", "a"])
+    long_ids, short_ids = tiny.tokenizer.encode("the sin"), tiny.tokenizer.encode("a")
+    width = len(long_ids)
+    assert batch["input_ids"].tolist() == [long_ids, [tiny.pad_token_id] * (width - len(short_ids)) + short_ids]
+    assert batch["attention_mask"].tolist() == [[1] * width, [0] * (width - len(short_ids)) + [1] * len(short_ids)]
+    assert batch["input_ids"].dtype == torch.long
+
+
+def test_decode_skips_padding(tiny: Any) -> None:
+    batch = tiny.tokenize(["the sin", "a"])
+    assert tiny.decode(batch["input_ids"][1]) == "a"
+    assert tiny.decode(batch["input_ids"][1], skip_special_tokens=False).endswith("<|im_end|>a")
+
+
+@pytest.mark.parametrize(("texts", "message"), [([], "at least one text"), (["ok", ""], "text 1 is empty"),
+                                                 (["x" * 17], "17 tokens, more than the model's context length 16")])
+def test_tokenize_errors(tiny: Any, texts: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny.tokenize(texts)
+
+
+def test_decode_errors(tiny: Any) -> None:
+    with pytest.raises(ValueError, match="token id 999 is outside the vocabulary"):
+        tiny.decode([5, 999])
+    with pytest.raises(ValueError, match="1-D"):
+        tiny.decode(torch.ones(2, 2, dtype=torch.long))
+
+
+def test_chat_prompt_renders_chatml(tiny: Any) -> None:
+    prompt = tiny.chat_prompt([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("messages", ["hi", [], [{"role": "user"}], [{"role": "user", "content": 3}]])
+def test_chat_prompt_rejects_bad_messages(tiny: Any, messages: Any) -> None:
+    with pytest.raises(ValueError, match="message"):
+        tiny.chat_prompt(messages)
+
+
+def test_chat_template_runs_sandboxed(tiny: Any) -> None:
+    """A template may not reach Python internals (jinja2's sandbox refuses)."""
+    need("jinja2")
+    from jinja2.exceptions import SecurityError
+
+    tok = tiny.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    try:
+        with pytest.raises(SecurityError):
+            tok.chat_prompt([{"role": "user", "content": "hi"}])
+    finally:
+        tok.chat_template = saved
