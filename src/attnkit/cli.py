@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from attnkit._optional import MissingDependencyError, require
 from attnkit.models import cli as models_cli
+from attnkit.train import cli as train_cli
 
 if TYPE_CHECKING:
     from attnkit.inspect.explain import Explanation
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     # Subcommands of other floors: each module's add_parser(sub) adds its own (imports kept light).
     models_cli.add_parser(sub)
+    train_cli.add_parser(sub)
     return parser
 
 
