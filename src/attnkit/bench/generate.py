@@ -7,8 +7,9 @@ each per round) and summarised by the median. In the same run, the machine's
 decode bound: one pass of matrix-vector products over every weight matrix
 of the model (a decoding step cannot read its weights faster), and the share
 of teacher-forced positions of a fixed text where bfloat16's greedy choice
-equals float32's. Peak memory: the peak resident set of a fresh process that
-loads one contender and generates once, and how much generating added to it.
+equals float32's. Memory: in a fresh process per contender, the resident set
+with the model loaded, and the peak while it generates once (the peak counter
+reset after loading, so the loader's transient buffers do not count).
 
     python -m attnkit.bench.generate            # prints a table
 """
@@ -88,21 +89,24 @@ def _median_rates(runs: list[tuple[float, float]]) -> tuple[float, float]:
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
+def _load_hf(dtype: str) -> Any:
+    """transformers' LlamaForCausalLM from the same GGUF file, in ``dtype``."""
+    from attnkit.models.llama import smollm2_path
+
+    transformers = require("transformers", "The generate benchmark's transformers contender")
+    path = smollm2_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=_DTYPES[dtype]).eval()
+
+
 def _contenders(model: Any, dtype: str, new_tokens: int, include_transformers: bool
                 ) -> dict[str, Callable[[Tensor], tuple[float, float]]]:
     """attnkit in ``dtype``; transformers on the same weights in ``dtype`` and, for a half dtype, float32 too."""
-    from attnkit.models.llama import smollm2_path
-
     runs: dict[str, Callable[[Tensor], tuple[float, float]]] = {
         f"attnkit-{dtype}": lambda ids: _attnkit_run(model, ids, new_tokens)}
-    if not include_transformers:
-        return runs
-    transformers = require("transformers", "The generate benchmark's transformers contender")
-    path = smollm2_path()
-    for name in dict.fromkeys([dtype, "float32"]):
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=_DTYPES[name]).eval()
-        runs[f"transformers-{name}"] = functools.partial(_hf_run, hf, new_tokens=new_tokens)
+    if include_transformers:
+        for name in dict.fromkeys([dtype, "float32"]):
+            runs[f"transformers-{name}"] = functools.partial(_hf_run, _load_hf(name), new_tokens=new_tokens)
     return runs
 
 
@@ -175,7 +179,7 @@ def generate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _peak_memory(contender: str, prompt_len: int, new_tokens: int) -> dict[str, float]:
-    """Peak resident memory (MiB) of a fresh process that loads ``contender`` and generates once."""
+    """Memory (MiB) of a fresh process that loads ``contender`` and generates once (see :func:`_measure_peak`)."""
     import json
     import subprocess
     import sys
@@ -186,24 +190,39 @@ def _peak_memory(contender: str, prompt_len: int, new_tokens: int) -> dict[str, 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _measure_peak(contender: str, prompt_len: int, new_tokens: int) -> dict[str, float]:
-    """In this process: peak RSS after loading, and after one generate (ru_maxrss is a high-water mark)."""
-    import resource
+def _memory_kib(field: str) -> int:
+    """A field of /proc/self/status (VmRSS now, VmHWM the peak since the last reset), in KiB."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1])
 
+
+def _measure_peak(contender: str, prompt_len: int, new_tokens: int) -> dict[str, float]:
+    """In this process: resident memory with the model loaded, and the peak while it generates.
+
+    The peak counter (VmHWM) is reset after loading (Linux: ``/proc/self/clear_refs``), so a
+    loader's transient buffers do not hide the generation's own peak.
+    """
     from attnkit.models import load_smollm2
+    from attnkit.models.gguf import read_gguf
+    from attnkit.models.llama import LlamaConfig, smollm2_path
+    from attnkit.models.tokenizer import GGUFTokenizer
 
     kind, dtype = contender.split("-", 1)
-    model = load_smollm2(dtype=_DTYPES[dtype])
-    ids = _prompt(model, prompt_len)
-    if kind == "transformers":
-        del model
-        run = _contenders(None, dtype, new_tokens, include_transformers=True)[contender]
+    metadata = read_gguf(smollm2_path()).metadata
+    tokenizer = GGUFTokenizer.from_metadata(metadata, context_length=LlamaConfig.from_metadata(metadata).context_length)
+    ids = torch.tensor([(tokenizer.encode(_TEXT) * (prompt_len // 10 + 1))[:prompt_len]])  # (1, T)
+    if kind == "attnkit":
+        run = _contenders(load_smollm2(dtype=_DTYPES[dtype]), dtype, new_tokens, False)[contender]
     else:
-        run = _contenders(model, dtype, new_tokens, include_transformers=False)[contender]
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
+        run = functools.partial(_hf_run, _load_hf(dtype), new_tokens=new_tokens)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # reset the peak to the current resident set
+    loaded = _memory_kib("VmRSS")
     run(ids)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"peak_rss_mib": round(peak), "generate_extra_mib": round(peak - loaded)}
+    peak = _memory_kib("VmHWM")
+    return {"loaded_rss_mib": round(loaded / 1024), "generate_peak_mib": round(peak / 1024),
+            "generate_extra_mib": round((peak - loaded) / 1024)}
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -221,7 +240,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             lines.append(f"target {row['target']}: {row['goal']}, measured {row['measured']}: "
                          f"{'met' if row['met'] else 'MISSED'}")
         else:
-            memory = f", peak RSS {row['peak_rss_mib']} MiB" if "peak_rss_mib" in row else ""
+            memory = (f", loaded {row['loaded_rss_mib']} MiB, +{row['generate_extra_mib']} MiB generating"
+                      if "loaded_rss_mib" in row else "")
             lines.append(f"{row['contender']:>20} T={row['prompt_len']:>4} +{row['new_tokens']}: prefill "
                          f"{row['prefill_tokens_per_s']:8.1f} tok/s, decode {row['decode_tokens_per_s']:6.1f} tok/s "
                          f"({row['decode_share_of_bound']:.0%} of bound){memory}")
