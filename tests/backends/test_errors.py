@@ -45,7 +45,7 @@ def test_bad_masks(mask, error, message):
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
     (dict(window=2), ValueError, r"window=2 needs causal=True"),
-    (dict(causal=True, window=0), ValueError, r"window must be a positive int .* got window=0"),
+    (dict(causal=True, window=0), ValueError, r"window must be a positive int.* got window=0"),
     (dict(causal=1), TypeError, r"causal must be a bool, got 1"),
     (dict(scale=-1.0), ValueError, r"scale must be a positive finite number or None, got scale=-1.0"),
     (dict(dropout_p=1.0), ValueError, r"dropout_p=1.0 is outside \[0, 1\)"),

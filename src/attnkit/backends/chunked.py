@@ -8,8 +8,20 @@ lse = m - log(max p). Blocks merge by their log-sum-exps (the online
 softmax): only (B, H, Tb, Sb) scores exist at once, never (T, S). Blocks the
 causal band or window hides are skipped; fully visible blocks skip the mask.
 
-The backward pass (a custom autograd Function) saves only q, k, v, the output
-and one log-sum-exp per query, and recomputes each block's probabilities.
+The block kernel is a small public API, shared by this backend and the ring
+of :mod:`attnkit.distributed` (one copy of the math):
+
+- :class:`BlockPlan` / :func:`block_plan`: the static facts of one (queries,
+  keys) pair: causal band and its offset, scale, tile sizes;
+- :func:`block_forward`: (out, lse) of the queries against these keys alone;
+- :func:`merge_blocks`: two partial results over disjoint keys as one;
+- :func:`softmax_delta` and :func:`block_backward`: the gradients of one
+  (queries, keys) pair given the global log-sum-exp and delta = rowsum(dO * O).
+
+The backward pass of the backend (a custom autograd Function) saves only q,
+k, v, the output and one log-sum-exp per query, and recomputes each block's
+probabilities. Double backward (``create_graph=True``, ``torch.func.grad``)
+recomputes a dense differentiable forward: exact, but O(T * S) memory.
 
 Grouped-query heads are handled without copying keys or values: the R = H // G
 query heads that share a key/value head are stacked along the query axis.
@@ -21,11 +33,19 @@ S keys, D head dim, Dv value head dim, Tb / Sb block sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnkit.functional import block_has_empty_rows, block_visibility, visible_band
+from attnkit.functional import (
+    Visibility,
+    block_has_empty_rows,
+    block_visibility,
+    combine_masks,
+    expand_kv,
+    visible_band,
+)
 
 from .call import AttentionCall
 from .registry import Backend, register
@@ -35,13 +55,19 @@ _BLOCK_K = 256  # keys per block
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """Static facts of one call, shared by the forward and backward loops."""
+class BlockPlan:
+    """Static facts of one (queries, keys) pair, shared by the forward and backward loops.
+
+    ``offset``: query i is aligned with key i + offset (S - T for one
+    bottom-right aligned call; the difference of the first global positions
+    of a query block and a key block in a ring). ``compute`` is the dtype of
+    the arithmetic (float32 for half-precision inputs).
+    """
 
     causal: bool
     window: int | None
     scale: float
-    offset: int  # S - T
+    offset: int
     block_q: int
     block_k: int
     compute: torch.dtype
@@ -62,6 +88,15 @@ def _block_sizes(b: int, h: int, t: int, s: int) -> tuple[int, int]:
     return min(t, 1 << (block_q.bit_length() - 1)), block_k  # a power of two, at most T
 
 
+def block_plan(q: Tensor, num_keys: int, *, causal: bool, scale: float, offset: int,
+               window: int | None = None) -> BlockPlan:
+    """The plan for queries q (B, H, T, D) against ``num_keys`` keys."""
+    b, h, t, _ = q.shape
+    block_q, block_k = _block_sizes(b, h, t, num_keys)
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    return BlockPlan(causal, window, scale, offset, block_q, block_k, compute)
+
+
 def _mask5(mask: Tensor | None, g: int) -> Tensor | None:
     """(B?, H?, T?, S?) -> (B?, G?, R?, T?, S?) to match grouped scores."""
     if mask is None:
@@ -77,15 +112,15 @@ def _slice(mask: Tensor, rows: range, cols: range) -> Tensor:
     return mask[..., r, c]
 
 
-def _scores(plan: _Plan, qb: Tensor, kb: Tensor, mask5: Tensor | None, rows: range, cols: range,
-            visibility: str) -> Tensor:
+def _scores(plan: BlockPlan, qb: Tensor, kb: Tensor, mask5: Tensor | None, rows: range, cols: range,
+            visibility: Visibility) -> Tensor:
     """Masked scores of one block, (B, G, R*Tb, Sb); ``qb`` is already scaled."""
     b, g, rt, _ = qb.shape
     s = torch.matmul(qb, kb.transpose(-2, -1))  # (B, G, R*Tb, D) @ (B, G, D, Sb) -> (B, G, R*Tb, Sb)
-    if visibility == "all" and mask5 is None:
+    if visibility is Visibility.ALL and mask5 is None:
         return s
     s5 = s.view(b, g, rt // len(rows), len(rows), len(cols))  # (B, G, R*Tb, Sb) -> (B, G, R, Tb, Sb)
-    if visibility == "some":
+    if visibility is Visibility.SOME:
         band = visible_band(rows, cols, offset=plan.offset, causal=plan.causal, window=plan.window,
                             device=s.device)
         if band is not None:
@@ -123,14 +158,25 @@ def _merge_weights(lse: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return torch.exp(lse - safe), torch.exp(lse_b - safe), new
 
 
-def _visible_blocks(plan: _Plan, rows: range, num_keys: int, masked: bool) -> list[tuple[range, str, bool]]:
+def merge_blocks(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Two partial results of the same queries over disjoint keys, as one.
+
+    ``out`` (..., T, Dv) are softmax-normalised over their own keys and ``lse``
+    (..., T) their log-sum-exps, -inf where a query saw no key (its out is 0).
+    Returns (out, lse) over the union of the keys; inputs are not modified.
+    """
+    w, w_b, new = _merge_weights(lse.unsqueeze(-1), lse_b.unsqueeze(-1))  # (..., T, 1) each
+    return out * w + out_b * w_b, new.squeeze(-1)
+
+
+def _visible_blocks(plan: BlockPlan, rows: range, num_keys: int, masked: bool) -> list[tuple[range, Visibility, bool]]:
     """(cols, visibility, whether some row may see nothing) of each key block not wholly hidden."""
-    out = []
+    out: list[tuple[range, Visibility, bool]] = []
     for cols in plan.blocks(num_keys, plan.block_k):
         visibility = block_visibility(rows, cols, offset=plan.offset, causal=plan.causal, window=plan.window)
-        if visibility == "none":
+        if visibility is Visibility.NONE:
             continue
-        empty = masked or (visibility == "some" and block_has_empty_rows(
+        empty = masked or (visibility is Visibility.SOME and block_has_empty_rows(
             rows, cols, offset=plan.offset, causal=plan.causal, window=plan.window))
         out.append((cols, visibility, empty))
     return out
@@ -148,85 +194,181 @@ def _ungroup(x: Tensor, h: int, rows: range) -> Tensor:
     return x.reshape(b, h, len(rows), e)  # (B, G, R*Tb, E) -> (B, H, Tb, E)
 
 
-def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype, +inf where a query sees no key)."""
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _forward_rows(plan: BlockPlan, qb: Tensor, kc: Tensor, vc: Tensor, mask5: Tensor | None,
+                  rows: range) -> tuple[Tensor, Tensor]:
+    """(acc (B, G, R*Tb, Dv), lse (B, G, R*Tb, 1)) of one query block over every visible key block."""
+    acc: Tensor | None = None
+    lse = torch.full_like(qb[..., :1], -torch.inf)  # (B, G, R*Tb, 1): nothing seen yet
+    for cols, visibility, empty in _visible_blocks(plan, rows, kc.shape[2], mask5 is not None):
+        s = _scores(plan, qb, kc[:, :, cols.start:cols.stop], mask5, rows, cols, visibility)
+        p, lse_b = _block_softmax(s, masked=empty)
+        old, new, lse = _merge_weights(lse, lse_b)
+        pv = torch.matmul(p, vc[:, :, cols.start:cols.stop])  # (B, G, R*Tb, Sb) @ (B, G, Sb, Dv)
+        acc = pv.mul_(new) if acc is None else acc.mul_(old).add_(pv.mul_(new))
+    if acc is None:  # every key block hidden (causal queries before the first key)
+        acc = torch.zeros_like(qb[..., :1]).expand(*qb.shape[:-1], vc.shape[-1])  # (B, G, R*Tb, Dv)
+    return acc, lse
+
+
+def block_forward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
+                  ) -> tuple[Tensor, Tensor]:
+    """Attention of q (B, H, T, D) over these keys alone: (out, lse).
+
+    k (B, G, S, D), v (B, G, S, Dv); ``mask`` bool (True = may attend) or
+    float, broadcastable to (B, H, T, S); the causal band comes from ``plan``.
+    Returns out (B, H, T, Dv) and lse (B, H, T), both in ``plan.compute``; a
+    query that sees no key gets out 0 and lse -inf. Inputs are not modified
+    (``torch.func.vmap`` works through it).
+    """
     b, h, t, _ = q.shape
-    g, s_len = k.shape[1], k.shape[2]
+    g = k.shape[1]
     kc, vc, mask5 = k.to(plan.compute), v.to(plan.compute), _mask5(mask, g)
-    out = q.new_empty(b, h, t, v.shape[-1])
-    lse_out = torch.empty(b, h, t, dtype=plan.compute, device=q.device)
+    outs, lses = [], []
     for rows in plan.blocks(t, plan.block_q):
         qb = _group(q, g, rows, plan.compute) * plan.scale  # (B, G, R*Tb, D); a new tensor, q untouched
-        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=plan.compute, device=q.device)  # normalised
-        lse = torch.full((*qb.shape[:-1], 1), -torch.inf, dtype=plan.compute, device=q.device)
-        for cols, visibility, empty in _visible_blocks(plan, rows, s_len, mask5 is not None):
-            s = _scores(plan, qb, kc[:, :, cols.start:cols.stop], mask5, rows, cols, visibility)
-            p, lse_b = _block_softmax(s, masked=empty)
-            old, new, lse = _merge_weights(lse, lse_b)
-            acc = acc.mul_(old).add_(torch.matmul(p, vc[:, :, cols.start:cols.stop]).mul_(new))
-        out[:, :, rows.start:rows.stop] = _ungroup(acc, h, rows).to(q.dtype)
-        lse = lse.masked_fill(lse == -torch.inf, torch.inf)  # backward: weights exp(s - inf) = 0
-        lse_out[:, :, rows.start:rows.stop] = lse.reshape(b, h, len(rows))
-    return out, lse_out
+        acc, lse = _forward_rows(plan, qb, kc, vc, mask5, rows)
+        outs.append(_ungroup(acc, h, rows))  # (B, H, Tb, Dv)
+        lses.append(lse.reshape(b, h, len(rows)))  # (B, G, R*Tb, 1) -> (B, H, Tb)
+    return _cat(outs, 2), _cat(lses, 2)
 
 
-def _backward(plan: _Plan, saved: tuple[Tensor, ...], mask: Tensor | None, dout: Tensor
-              ) -> tuple[Tensor, Tensor, Tensor]:
-    q, k, v, out, lse = saved
+def softmax_delta(dout: Tensor, out: Tensor, compute: torch.dtype) -> Tensor:
+    """delta = rowsum(dO * O), (B, H, T): the softmax backward's correction, once per query."""
+    return (dout.to(compute) * out.to(compute)).sum(dim=-1)  # (B, H, T, Dv) -> (B, H, T)
+
+
+def block_backward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dout: Tensor,
+                   lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) in ``plan.compute`` of one (queries, keys) pair.
+
+    ``lse`` (B, H, T) is the log-sum-exp of each query over *all* its keys
+    (-inf where it sees none) and ``delta`` (B, H, T) = :func:`softmax_delta`
+    of the whole output: with them, the gradients of disjoint key sets add up.
+    """
     b, h, t, _ = q.shape
-    g, s_len = k.shape[1], k.shape[2]
+    g = k.shape[1]
     kc, vc, mask5 = k.to(plan.compute), v.to(plan.compute), _mask5(mask, g)
-    delta = (dout.to(plan.compute) * out.to(plan.compute)).sum(dim=-1)  # (B, H, T): rowsum(dO * O)
-    dq = torch.empty(q.shape, dtype=plan.compute, device=q.device)
-    dk, dv = torch.zeros_like(kc), torch.zeros_like(vc)
+    lse = lse.masked_fill(lse == -torch.inf, torch.inf)  # a query that sees nothing: weights exp(s - inf) = 0
+    dqs: list[Tensor] = []
+    dks: list[Tensor | None] = [None] * len(plan.blocks(k.shape[2], plan.block_k))
+    dvs: list[Tensor | None] = list(dks)
     for rows in plan.blocks(t, plan.block_q):
         qb = _group(q, g, rows, plan.compute) * plan.scale  # (B, G, R*Tb, D), scaled
         dob = _group(dout, g, rows, plan.compute)  # (B, G, R*Tb, Dv)
-        lse_b = lse[:, :, rows.start:rows.stop].reshape(b, g, -1, 1)  # (B, G, R*Tb, 1)
+        lse_b = lse[:, :, rows.start:rows.stop].reshape(b, g, -1, 1)  # (B, H, Tb) -> (B, G, R*Tb, 1)
         delta_b = delta[:, :, rows.start:rows.stop].reshape(b, g, -1, 1)
-        dqb = torch.zeros_like(qb)
-        for cols, visibility, empty in _visible_blocks(plan, rows, s_len, mask5 is not None):
+        dqb: Tensor | None = None
+        for cols, visibility, empty in _visible_blocks(plan, rows, k.shape[2], mask5 is not None):
+            i = cols.start // plan.block_k
             kb, vb = kc[:, :, cols.start:cols.stop], vc[:, :, cols.start:cols.stop]
             s = _scores(plan, qb, kb, mask5, rows, cols, visibility)
             p, block_lse = _block_softmax(s, masked=empty)
             p = p.mul_(torch.exp(block_lse - lse_b))  # the weights exp(s - lse) of the whole row
-            dv[:, :, cols.start:cols.stop] += torch.matmul(p.transpose(-2, -1), dob)  # (B, G, Sb, Dv)
+            dv_b = torch.matmul(p.transpose(-2, -1), dob)  # (B, G, Sb, R*Tb) @ (B, G, R*Tb, Dv) -> (B, G, Sb, Dv)
             ds = torch.matmul(dob, vb.transpose(-2, -1)).sub_(delta_b).mul_(p)  # dscore, (B, G, R*Tb, Sb)
-            dqb.add_(torch.matmul(ds, kb))
-            dk[:, :, cols.start:cols.stop] += torch.matmul(ds.transpose(-2, -1), qb)  # qb carries the scale
-        dq[:, :, rows.start:rows.stop] = _ungroup(dqb.mul_(plan.scale), h, rows)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            dk_b = torch.matmul(ds.transpose(-2, -1), qb)  # (B, G, Sb, D); qb carries the scale
+            dq_b = torch.matmul(ds, kb)  # (B, G, R*Tb, D)
+            dvs[i] = dv_b if dvs[i] is None else dvs[i].add_(dv_b)  # type: ignore[union-attr]
+            dks[i] = dk_b if dks[i] is None else dks[i].add_(dk_b)  # type: ignore[union-attr]
+            dqb = dq_b if dqb is None else dqb.add_(dq_b)
+        dqb = torch.zeros_like(qb) if dqb is None else dqb.mul_(plan.scale)
+        dqs.append(_ungroup(dqb, h, rows))  # (B, H, Tb, D)
+    cols_all = plan.blocks(k.shape[2], plan.block_k)
+    dk = _cat([torch.zeros_like(kc[:, :, c.start:c.stop]) if x is None else x
+               for x, c in zip(dks, cols_all, strict=True)], 2)  # (B, G, S, D); zeros where no query looked
+    dv = _cat([torch.zeros_like(vc[:, :, c.start:c.stop]) if x is None else x
+               for x, c in zip(dvs, cols_all, strict=True)], 2)  # (B, G, S, Dv)
+    return _cat(dqs, 2), dk, dv
+
+
+def _dense_forward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """The same attention as :func:`block_forward`, differentiable and dense: (B, H, T, Dv) in q's dtype.
+
+    Only for double backward, where the gradient itself must carry a graph.
+    """
+    h, t, s = q.shape[1], q.shape[2], k.shape[2]
+    kx, vx = expand_kv(k, h).to(plan.compute), expand_kv(v, h).to(plan.compute)  # (B, G, S, D) -> (B, H, S, D)
+    scores = (q.to(plan.compute) @ kx.transpose(-2, -1)) * plan.scale  # (B, H, T, S)
+    band = visible_band(range(t), range(s), offset=plan.offset, causal=plan.causal, window=plan.window,
+                        device=q.device)
+    full = combine_masks(mask, band)
+    if full is not None:
+        scores = scores.masked_fill(~full, -torch.inf) if full.dtype == torch.bool else scores + full
+    empty = scores.amax(dim=-1, keepdim=True) == -torch.inf  # (B, H, T, 1)
+    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return (weights @ vx).to(q.dtype)  # (B, H, T, S) @ (B, H, S, Dv) -> (B, H, T, Dv)
 
 
 class _ChunkedFunction(torch.autograd.Function):
+    """out = attention(q, k, v) by :func:`block_forward`; backward by :func:`block_backward`.
+
+    Written for ``torch.func`` (setup_context, a generated vmap rule, no
+    in-place op on an input). Under ``create_graph=True`` (and
+    ``torch.func.grad``) the backward recomputes a dense differentiable
+    forward, so second-order gradients are exact (at O(T * S) memory).
+    """
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, plan: _Plan) -> Tensor:
-        out, lse = _forward(plan, q, k, v, mask)
+    def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, plan: BlockPlan) -> tuple[Tensor, Tensor]:
+        out, lse = block_forward(plan, q, k, v, mask)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        q, k, v, mask, plan = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.plan = plan
-        return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
-        *saved, mask = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.plan, tuple(saved), mask, dout.contiguous())
-        return dq, dk, dv, None, None
+    def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        plan: BlockPlan = ctx.plan
+        if torch.is_grad_enabled():  # create_graph=True: the gradient must itself be differentiable
+            return (*_differentiable_grads(plan, (q, k, v), mask, dout, ctx.needs_input_grad[:3]), None, None)
+        delta = softmax_delta(dout, out, plan.compute)
+        dq, dk, dv = block_backward(plan, q, k, v, mask, dout, lse, delta)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _plan(call: AttentionCall) -> _Plan:
-    b, h, t, _ = call.q.shape
-    block_q, block_k = _block_sizes(b, h, t, call.num_keys)
-    compute = torch.float32 if call.q.dtype in (torch.float16, torch.bfloat16) else call.q.dtype
-    return _Plan(call.causal, call.window, call.scale, call.offset, block_q, block_k, compute)
+def _differentiable_grads(plan: BlockPlan, qkv: tuple[Tensor, Tensor, Tensor], mask: Tensor | None,
+                          dout: Tensor, needed: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """(dq, dk, dv) with a graph of their own, through the dense forward (None where not needed)."""
+    wanted = [x for x, need in zip(qkv, needed, strict=True) if need]
+    with torch.enable_grad():
+        out = _dense_forward(plan, *qkv, mask)
+        grads = iter(torch.autograd.grad(out, wanted, dout, create_graph=True))
+    return tuple(next(grads) if need else None for need in needed)
+
+
+def _plan(call: AttentionCall) -> BlockPlan:
+    return block_plan(call.q, call.num_keys, causal=call.causal, scale=call.scale, offset=call.offset,
+                      window=call.window)
 
 
 def chunked_attention(call: AttentionCall) -> Tensor:
     plan = _plan(call)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (call.q, call.k, call.v))
     if not needs_grad:
-        return _forward(plan, call.q, call.k, call.v, call.mask)[0]
-    return _ChunkedFunction.apply(call.q, call.k, call.v, call.mask, plan)
+        return block_forward(plan, call.q, call.k, call.v, call.mask)[0].to(call.q.dtype)
+    return _ChunkedFunction.apply(call.q, call.k, call.v, call.mask, plan)[0]
+
+
+def supports_double_backward(call: AttentionCall) -> bool:
+    """Whether second-order gradients through this backend are exact for ``call``: always.
+
+    They are, but the double backward recomputes a dense (B, H, T, S)
+    forward: a caller that must bound memory under ``create_graph=True``
+    should prefer another backend.
+    """
+    return True
 
 
 def _why_not(call: AttentionCall) -> str | None:

@@ -88,10 +88,9 @@ def choose(name: str, call: AttentionCall, *, return_weights: bool) -> Backend:
     AUTO_ORDER that can serve the call. A named backend that cannot serve the
     call is an error saying why.
 
-    "auto" cannot know at the forward pass whether second-order gradients
-    will be asked for: the chunked backend has no double backward (it raises
-    when ``create_graph=True`` reaches it), so pass ``backend="math"`` or
-    ``"sdpa"`` for gradient penalties on long or windowed calls.
+    The chunked backend supports second-order gradients (under
+    ``create_graph=True`` its backward recomputes a dense, differentiable
+    forward: exact, with O(T * S) memory in that mode only).
     """
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__}")

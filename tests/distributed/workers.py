@@ -1,0 +1,181 @@
+"""What each rank runs in the spawned worlds of test_ring.py: every case once, its result by name.
+
+A case returns "ok" or the text of its failure, so that one spawn per world
+size serves many parametrized tests.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+import zlib
+from collections.abc import Callable
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import attnkit
+from attnkit.backends import chunked
+from attnkit.distributed import ContextParallel, ring_attention, shard, unshard
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+LAYOUTS = ("contiguous", "zigzag")
+# (layout, causal, dtype name, (H, G), key mask kind)
+EXACT_CASES = [
+    (layout, causal, dtype, heads, masks)
+    for layout in LAYOUTS for causal in (False, True) for dtype in ("float32", "float64")
+    for heads, masks in (((4, 2), "none"), ((4, 1), "rank-padding"), ((2, 2), "empty-row"))
+]
+LAYER_CASES = [(layout, causal, dtype) for layout in LAYOUTS for causal in (False, True)
+               for dtype in ("float32", "float64")]
+ERROR_CASES = ["heads", "dtype", "layout", "causal", "length", "bad-key-mask", "odd-zigzag", "shard-length"]
+
+
+def case_name(*parts: object) -> str:
+    return "-".join(str(p) for p in parts)
+
+
+def _key_mask(kind: str, b: int, t: int, world: int, layout: str, gen: torch.Generator) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    mask = torch.rand(b, t, generator=gen) > 0.3
+    if kind == "rank-padding":  # row 0: every key the last rank holds is padding
+        mask[0, torch.tensor(_positions_of(world - 1, world, layout, t))] = False
+    else:  # row 1 has no real key at all: its output must be 0
+        mask[1] = False
+    return mask
+
+
+def _positions_of(rank: int, world: int, layout: str, t: int) -> list[int]:
+    from attnkit.distributed.layout import chunk_positions
+
+    return [p for r in chunk_positions(rank, world, layout, t) for p in r]
+
+
+def exact_case(layout: str, causal: bool, dtype_name: str, heads: tuple[int, int], masks: str) -> None:
+    """ring_attention's output and q, k, v gradients equal single-process attention on whole tensors."""
+    world, dtype = dist.get_world_size(), getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((layout, causal, dtype_name, heads, masks)).encode()))
+    (h, g), b, t, d = heads, 2, 12 * world, 8
+    q, k, v = (torch.randn(shape, generator=gen, dtype=dtype) for shape in ((b, h, t, d), (b, g, t, d), (b, g, t, d)))
+    w = torch.randn(b, h, t, d, generator=gen, dtype=dtype)
+    key_mask = _key_mask(masks, b, t, world, layout, gen)
+    full = [x.double().requires_grad_() for x in (q, k, v)]
+    expected = attnkit.attention(*full, causal=causal, key_mask=key_mask, backend="math")
+    expected_grads = torch.autograd.grad((expected * w.double()).sum(), full)
+    local = [shard(x, 2, layout=layout).requires_grad_() for x in (q, k, v)]
+    local_mask = None if key_mask is None else shard(key_mask, 1, layout=layout)
+    with mock.patch.object(chunked, "_block_sizes", lambda b, h, t, s: (4, 5)):  # tiles inside each chunk
+        out = ring_attention(*local, causal=causal, key_mask=local_mask, layout=layout)
+    grads = torch.autograd.grad((out * shard(w, 2, layout=layout)).sum(), local)
+    assert out.dtype == dtype and out.shape == (b, h, t // world, d)
+    torch.testing.assert_close(out.double(), shard(expected.detach(), 2, layout=layout), **TOL[dtype])
+    for name, got, exp in zip("qkv", grads, expected_grads, strict=True):
+        torch.testing.assert_close(got.double(), shard(exp, 2, layout=layout), **TOL[dtype],
+                                   msg=lambda m, n=name: f"grad of {n}: {m}")
+    torch.testing.assert_close(unshard(out, 2, layout=layout).double(), expected.detach(), **TOL[dtype])
+
+
+def layer_case(layout: str, causal: bool, dtype_name: str) -> None:
+    """A stand-in of MultiHeadAttention(x_local, parallel=ContextParallel(...)) equals the real layer."""
+    world, dtype = dist.get_world_size(), getattr(torch, dtype_name)
+    torch.manual_seed(7)
+    layer = attnkit.MultiHeadAttention(16, 16, 4, num_kv_heads=2, rope=True, causal=causal).to(dtype)
+    gen = torch.Generator().manual_seed(3)
+    b, t = 2, 4 * world
+    x = torch.randn(b, t, 16, generator=gen, dtype=dtype)
+    key_mask = torch.rand(b, t, generator=gen) > 0.25
+    key_mask[:, 0] = True
+    w = torch.randn(b, t, 16, generator=gen, dtype=dtype)
+    expected = layer(x, key_mask=key_mask)
+    expected_grads = torch.autograd.grad((expected * w).sum(), list(layer.parameters()))
+    parallel = ContextParallel(layout=layout)
+    out = layer(parallel.shard(x), key_mask=parallel.shard(key_mask), parallel=parallel)
+    grads = torch.autograd.grad((out * parallel.shard(w)).sum(), list(layer.parameters()))
+    torch.testing.assert_close(out, parallel.shard(expected.detach()), **TOL[dtype])
+    for grad, exp in zip(grads, expected_grads, strict=True):
+        dist.all_reduce(grad)  # parameters are replicated: their gradients sum over ranks
+        torch.testing.assert_close(grad, exp, **TOL[dtype])
+
+
+def _error_args(kind: str, rank: int) -> tuple[dict, str]:
+    """ring_attention arguments where rank 1 differs (or all are wrong), and the message every rank must get."""
+    q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    args: dict = dict(q=q, k=k, v=v, causal=False, layout="zigzag", key_mask=None)
+    odd = rank == 1
+    if kind == "heads" and odd:
+        args.update(q=torch.randn(1, 2, 4, 8))
+    elif kind == "dtype" and odd:
+        args.update(q=q.double(), k=k.double(), v=v.double())
+    elif kind == "layout" and odd:
+        args.update(layout="contiguous")
+    elif kind == "causal" and odd:
+        args.update(causal=True)
+    elif kind == "length" and odd:
+        args.update(q=torch.randn(1, 4, 6, 8), k=torch.randn(1, 2, 6, 8), v=torch.randn(1, 2, 6, 8))
+    elif kind == "bad-key-mask" and odd:
+        args.update(key_mask=torch.ones(1, 5, dtype=torch.bool))
+    elif kind == "odd-zigzag":
+        args.update(q=q[:, :, :3], k=k[:, :, :3], v=v[:, :, :3])
+    expected = {
+        "heads": r"ranks disagree on query heads H: rank 0 has 4, rank 1 has 2",
+        "dtype": r"ranks disagree on dtype: rank 0 has 'torch.float32', rank 1 has 'torch.float64'",
+        "layout": r"ranks disagree on layout: rank 0 has 'zigzag', rank 1 has 'contiguous'",
+        "causal": r"ranks disagree on causal: rank 0 has False, rank 1 has True",
+        "length": r"ranks disagree on shard length n: rank 0 has 4, rank 1 has 6",
+        "bad-key-mask": r"invalid arguments on rank 1: key_mask must be a bool \(B, n\) = \(1, 4\)",
+        "odd-zigzag": r"rank 0: a 'zigzag' shard holds 2 equal chunks, so its length n=3 must be even",
+    }[kind]
+    return args, expected
+
+
+def error_case(kind: str) -> None:
+    """Every rank raises the same clear ValueError, and the process group still works afterwards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kind == "shard-length":
+        with pytest.raises(ValueError, match=rf"must be a positive multiple of {2 * world} \(2P\)"):
+            shard(torch.zeros(1, 2 * world + 1), 1, layout="zigzag")
+        return
+    args, expected = _error_args(kind, rank)
+    with pytest.raises(ValueError, match=expected):
+        ring_attention(**args)
+    probe = torch.ones(1)
+    dist.all_reduce(probe)
+    assert probe.item() == world
+
+
+def run_cases(rank: int, world: int) -> dict[str, str]:
+    """Every case in this world; each one's "ok" or failure text."""
+    cases: dict[str, Callable[[], None]] = {}
+    for c in EXACT_CASES:
+        cases[case_name("exact", *c[:3], f"H{c[3][0]}G{c[3][1]}", c[4])] = lambda c=c: exact_case(*c)
+    for c in LAYER_CASES:
+        cases[case_name("layer", *c)] = lambda c=c: layer_case(*c)
+    for kind in ERROR_CASES:
+        cases[case_name("error", kind)] = lambda kind=kind: error_case(kind)
+    results = {}
+    for name, run in cases.items():
+        try:
+            run()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+        dist.barrier()  # keep the ranks in step whatever a case did
+    return results
+
+
+def hang_or_die(rank: int, world: int, how: str) -> None:
+    """Rank 1 hangs or dies while rank 0 enters the ring."""
+    if rank == 1:
+        if how == "die":
+            import os
+
+            os._exit(3)
+        time.sleep(600)
+    ring_attention(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+
+
+def sleep_forever(rank: int, world: int) -> None:
+    time.sleep(600)
