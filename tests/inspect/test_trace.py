@@ -209,3 +209,49 @@ def test_a_function_calling_attention_outside_any_attnkit_module_is_traced():
 
 def test_no_observer_slot_on_layers():
     assert not hasattr(MultiHeadAttention(4, 4, 2), "_observer")
+
+
+def test_another_thread_running_modules_does_not_drop_records():
+    """Review finding: frames pushed by other threads left this trace's records unflushed ([] instead of 2)."""
+    import threading
+
+    model = nn.Sequential(MultiHeadAttention(8, 8, 2), MultiHeadAttention(8, 8, 2)).eval()
+    other = nn.Sequential(MultiHeadAttention(8, 8, 2)).eval()
+    x = torch.randn(1, 6, 8)
+    stop = threading.Event()
+
+    def busy() -> None:
+        with torch.no_grad():
+            while not stop.is_set():
+                other(x)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        for _ in range(10):
+            with attnkit.trace(model) as t:
+                model(x)
+            assert [r.name for r in t.records] == ["0", "1"]
+    finally:
+        stop.set()
+        worker.join()
+
+
+def test_a_module_returning_a_dict_is_traced():
+    class Net(nn.Module):
+        def forward(self, q):
+            return {"out": attnkit.attention(q, q, q, causal=True)}
+
+    q = torch.randn(1, 2, 4, 8)
+    net = Net()
+    with attnkit.trace(net) as t:
+        out = net(q)
+    torch.testing.assert_close(t.records[0].output, out["out"])  # the attention output stands in
+
+
+def test_a_textbook_layer_called_with_a_keyword_input_is_traced():
+    torch.manual_seed(0)
+    layer = tb.MultiHeadAttention(8, 8, 10, 0.0, 2).eval()
+    with attnkit.trace(layer) as t:
+        out = layer(x=torch.randn(1, 4, 8))
+    torch.testing.assert_close(t.records[0].output, out)

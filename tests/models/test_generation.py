@@ -240,3 +240,27 @@ def _filled(model: Any, n: int) -> list[Any]:
 def test_stream_takes_one_prompt(tiny32: Any) -> None:
     with pytest.raises(ValueError, match="batch of 2"):
         tiny32.stream(torch.ones(2, 3, dtype=torch.long), max_new_tokens=2)
+
+
+def test_an_interrupted_forward_leaves_every_cache_as_it_was() -> None:
+    """Review finding: an exception in layer 1 left the caches at [5, 5, 0] and the prompt lost."""
+    from attnkit.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=32, d_model=16, num_layers=3, num_heads=2, num_kv_heads=1,
+                                   ffn_size=32, context_length=64)).eval()
+    ids = torch.randint(0, 32, (1, 5))
+    caches = model.new_caches()
+    model(ids[:, :2], kv_caches=caches)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    handle = model.layers[1].mlp.register_forward_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model(ids[:, 2:], kv_caches=caches)
+    finally:
+        handle.remove()
+    assert [len(c) for c in caches] == [2, 2, 2]
+    torch.testing.assert_close(model(ids[:, 2:], kv_caches=caches), model(ids)[:, 2:])

@@ -143,3 +143,31 @@ def test_deepcopy_of_a_layer_with_its_cache_is_independent():
     twin, twin_cache = copy.deepcopy((layer, cache))
     twin(x[:, :1], kv_cache=twin_cache)
     assert len(twin_cache) == 4 and len(cache) == 3
+
+
+def test_a_shallow_copy_of_a_cache_does_not_share_storage():
+    """Review finding: copy.copy shared the preallocated storage, so each copy overwrote the other."""
+    layer = _decoder_layer().eval()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    full = layer(x)
+    cache = KVCache()
+    layer(x[:, :3], kv_cache=cache)
+    twin = copy.copy(cache)
+    layer(x[:, 3:4], kv_cache=cache)
+    layer(torch.randn(2, 1, 8, dtype=torch.float64), kv_cache=twin)
+    torch.testing.assert_close(layer(x[:, 4:5], kv_cache=cache), full[:, 4:5])
+
+
+def test_a_learnable_scale_is_refused_rather_than_silently_detached():
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(TypeError, match="requires grad"):
+        attnkit.attention(q, q, q, scale=torch.tensor(0.5, requires_grad=True))
+
+
+def test_changing_rope_base_changes_the_angles():
+    """Review finding: the remembered angles ignored base, so a changed base kept the old rotation."""
+    rope = RotaryEmbedding(8)
+    q = torch.randn(1, 1, 3, 8)
+    rope(q, q)
+    rope.base = 500.0
+    torch.testing.assert_close(rope(q, q)[0], RotaryEmbedding(8, base=500.0)(q, q)[0])

@@ -120,9 +120,11 @@ def attention(
     Returns:
         out (B, H, T, Dv), or (out, weights) with ``return_weights=True``. A
         query with no visible key gets output 0, weights 0 and finite
-        gradients, in every backend. A NaN in q, k or v gives NaN in the rows
-        it reaches, in every backend (SDPA's CPU kernel alone would return 0
-        for a NaN query; attnkit's adapter propagates it).
+        gradients, in every backend. A NaN in a query gives NaN in its row in
+        every backend (SDPA's CPU kernel alone would return 0 there; attnkit's
+        adapter propagates it). A NaN in k or v may spread further than the
+        rows that see it (0 x NaN is NaN), and how far differs by backend:
+        a mask does not hide a NaN key or value.
     """
     call = make_call(q, k, v, mask=mask, key_mask=key_mask, causal=causal, window=window, scale=scale,
                      dropout_p=dropout_p)

@@ -176,6 +176,9 @@ def check_options(*, causal: object, window: object, dropout_p: object, dropout_
 def _check_scale(scale: object) -> None:
     if scale is None:
         return
+    if isinstance(scale, Tensor) and scale.requires_grad:
+        raise TypeError("scale must be a number, not a tensor that requires grad (its gradient would be lost); "
+                        "for a learnable temperature, multiply q by it and pass scale=1.0")
     if not _is_number(scale) or not (math.isfinite(float(scale)) and float(scale) > 0):  # type: ignore[arg-type]
         raise ValueError(f"scale must be a positive finite number or None, got scale={scale!r}")
 

@@ -77,7 +77,7 @@ class RotaryEmbedding(nn.Module):
         """
         if torch.compiler.is_compiling():  # the graph computes them; no Python-side state
             return self._signed(torch.arange(offset, offset + length, device=device), dtype)
-        key = (offset, length, dtype, device, torch.is_inference_mode_enabled())
+        key = (offset, length, dtype, device, torch.is_inference_mode_enabled(), self.head_dim, self.base)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         angles = self._signed(torch.arange(offset, offset + length, device=device), dtype)

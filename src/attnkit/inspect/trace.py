@@ -17,6 +17,7 @@ Legend: B batch, H heads, T queries, S keys, D head dim.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -198,6 +199,7 @@ class _Tracer:
         self.names = {} if model is None else {id(m): n or type(m).__name__ for n, m in model.named_modules()}
         self.everything = model is None
         self.stack: list[_Frame] = []
+        self.thread = threading.get_ident()  # module calls of other threads are not this trace's
 
     def _owner(self) -> _Frame | None:
         """The innermost frame of a module of the traced model, if any."""
@@ -215,40 +217,42 @@ class _Tracer:
             self.out.records.append(_record("attention", fields, steps.out))
 
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if threading.get_ident() != self.thread:
+            return
         name = self.names.get(id(module))
         if name is not None and textbook_adapter(module) is not None and self._in_textbook():
             name = None  # a textbook head inside a traced textbook layer: part of the outer record
         frame = _Frame(module, name)
         if name is not None and textbook_adapter(module) is not None:
-            frame.rng = _rng_state(args)
+            frame.rng = _rng_state(module)
         self.stack.append(frame)
 
-    def post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self.stack or self.stack[-1].module is not module:
-            return  # a call that started before the block
+    def post_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if threading.get_ident() != self.thread or not self.stack or self.stack[-1].module is not module:
+            return  # another thread's call, or one that started before the block
         frame = self.stack.pop()
         if frame.name is None:
             return
-        result = output[0] if isinstance(output, tuple) else output
         adapter = textbook_adapter(module)
-        if adapter is not None:
-            self.out.records.append(_textbook_record(module, adapter, frame, args))
-        for fields in frame.pending:
-            self.out.records.append(_record(frame.name, fields, result))
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if adapter is not None and isinstance(x, Tensor):
+            self.out.records.append(_textbook_record(module, adapter, frame, x))
+        result = output[0] if isinstance(output, tuple) else output
+        for fields in frame.pending:  # a module that returns no tensor: its record keeps attention's output
+            self.out.records.append(_record(frame.name, fields, result if isinstance(result, Tensor) else fields[5]))
 
 
-def _rng_state(args: tuple[Any, ...]) -> tuple[Tensor, ...]:
+def _rng_state(module: nn.Module) -> tuple[Tensor, ...]:
     """The generators' states before a textbook layer runs, to replay its dropout in the adapter."""
-    x = args[0] if args else None
-    if isinstance(x, Tensor) and x.device.type == "cuda":
-        return torch.get_rng_state(), torch.cuda.get_rng_state(x.device)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
     return (torch.get_rng_state(),)
 
 
 def _textbook_record(module: nn.Module, adapter: Callable[..., tuple[Tensor, list[Tensor]]], frame: _Frame,
-                     args: tuple[Any, ...]) -> AttentionRecord:
-    """Re-run a textbook layer's steps with the generator as the layer found it (same dropout)."""
-    x = args[0]
+                     x: Tensor) -> AttentionRecord:
+    """Re-run a textbook layer's steps on its input x with the generator as the layer found it (same dropout)."""
     batch = x if x.dim() == 3 else x.unsqueeze(0)  # (T, d_in) -> (1, T, d_in)
     cuda = [x.device] if len(frame.rng) == 2 else []
     with torch.random.fork_rng(devices=cuda), torch.no_grad():
@@ -281,7 +285,7 @@ def trace(model: nn.Module | None = None) -> Iterator[Trace]:
     out = Trace()
     tracer = _Tracer(model, out)
     pre = register_module_forward_pre_hook(tracer.pre_hook)
-    post = register_module_forward_hook(tracer.post_hook, always_call=True)
+    post = register_module_forward_hook(tracer.post_hook, with_kwargs=True, always_call=True)
     try:
         with observe(tracer.observe):
             yield out

@@ -99,7 +99,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # (B, T, C)
+        h = F.rms_norm(h, h.shape[-1:], eps=self.eps)  # (B, T, C): one fused op
         return self.weight * h.to(x.dtype)
 
 
@@ -160,9 +160,21 @@ class LlamaModel(nn.Module):
         return [KVCache(capacity) for _ in self.layers]
 
     def _hidden(self, input_ids: Tensor, key_mask: Tensor | None, kv_caches: Sequence[KVCache] | None) -> Tensor:
+        if kv_caches is None:
+            return self._layers(input_ids, key_mask, [None] * len(self.layers))
+        blocks = zip(kv_caches, self.layers, strict=True)
+        checkpoints = [(cache, cache.claim(block.attention)) for cache, block in blocks]
+        try:
+            return self._layers(input_ids, key_mask, kv_caches)
+        except BaseException:  # a call that raises (or is interrupted) leaves every cache as it was
+            for cache, checkpoint in checkpoints:
+                cache.restore(checkpoint)
+            raise
+
+    def _layers(self, input_ids: Tensor, key_mask: Tensor | None, kv_caches: Sequence[KVCache | None]) -> Tensor:
         x = self.embed(input_ids)  # (B, T) -> (B, T, C)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, key_mask, None if kv_caches is None else kv_caches[i])
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, key_mask, cache)
         return self.norm(x)
 
     def _head(self, x: Tensor) -> Tensor:

@@ -68,6 +68,14 @@ class KVCache:
         """Copies and pickles belong to no layer yet (the original's layer is not theirs)."""
         return {**self.__dict__, "_owner": None}
 
+    def __copy__(self) -> KVCache:
+        """An independent cache holding the same positions (storage is copied, never shared)."""
+        twin = KVCache(self.capacity)
+        if self._k is not None and self._v is not None:
+            twin._k, twin._v = self._k.clone(), self._v.clone()
+        twin._length = self._length
+        return twin
+
     def reset(self) -> None:
         """Forget every position and the layer it belonged to (keeps no storage)."""
         self._k = self._v = None
@@ -93,7 +101,12 @@ class KVCache:
         self._length, self._owner, self._k, self._v = checkpoint
 
     def crop(self, length: int) -> None:
-        """Keep only the first ``length`` positions (to rewind, e.g. after a rejected draft)."""
+        """Keep only the first ``length`` positions (to rewind, e.g. after a rejected draft).
+
+        Storage is reused: positions past ``length`` are overwritten by the next append,
+        so views taken from :attr:`keys` / :attr:`values` before a crop change with it
+        (clone them to keep them).
+        """
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
             raise ValueError(f"crop length must be an int in [0, {self._length}], got {length!r}")
         self._length = length
