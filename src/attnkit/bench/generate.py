@@ -64,7 +64,9 @@ def _hf_run(hf: Any, ids: Tensor, new_tokens: int) -> tuple[float, float]:
 
 def decode_bound_seconds(model: Any, repeats: int = 5) -> float:
     """Median seconds of one matrix-vector product with every weight matrix (the head included)."""
-    mats = [p for n, p in model.named_parameters() if p.dim() == 2]
+    # every matrix as (out, in) rows, the layout F.linear and transformers use (attnkit keeps its
+    # vocabulary matrix transposed, which reads faster: the bound does not get that advantage)
+    mats = [(p.t() if n.endswith("weight_t") else p).contiguous() for n, p in model.named_parameters() if p.dim() == 2]
     vecs = [torch.randn(1, m.shape[1], dtype=m.dtype) for m in mats]
     times = []
     with torch.inference_mode():

@@ -98,7 +98,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size "
                              f"{q.shape[-1]} and {k.shape[-1]}")
         cos, sin = self._angles_at(offset, q.shape[-2], q.dtype, q.device)  # (T, D) each
-        return _apply(q, cos, sin), _apply(k, cos.to(k.dtype), sin.to(k.dtype))
+        if k.dtype != q.dtype:
+            cos_k, sin_k = cos.to(k.dtype), sin.to(k.dtype)
+            return _apply(q, cos, sin), _apply(k, cos_k, sin_k)
+        return _apply(q, cos, sin), _apply(k, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base:g}"

@@ -98,22 +98,49 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = F.rms_norm(h, h.shape[-1:], eps=self.eps)  # (B, T, C): one fused op
+        if x.dtype in (torch.float32, torch.float64):  # (no conversions: each costs a call per layer and step)
+            return self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)  # (B, T, C): one fused op
+        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # half precision: normalised in float32
         return self.weight * h.to(x.dtype)
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up are one fused projection (rows: gate, then up)."""
+    """down(silu(gate(x)) * up(x)); gate and up are one fused projection (columns: gate, then up)."""
 
     def __init__(self, d_model: int, ffn_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(d_model, 2 * ffn_size, bias=False)
+        # gate and up stored as (C, 2I) columns: x @ W read this way measured ~25% faster than
+        # F.linear over (2I, C) rows for one decoding token on our CPU
+        self.gate_up_t = nn.Parameter(torch.empty(d_model, 2 * ffn_size).normal_(std=d_model**-0.5))
         self.down_proj = nn.Linear(ffn_size, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, C) -> 2 x (B, T, I)
+        gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)  # (B, T, C) @ (C, 2I) -> 2 x (B, T, I)
         return self.down_proj(F.silu(gate) * up)  # (B, T, I) -> (B, T, C)
+
+
+class Vocabulary(nn.Module):
+    """A (V, C) token matrix stored as its transpose (C, V): embedding lookup, and the head ``x @ weight_t``.
+
+    A decoding step's largest matrix-vector product is the head's (V = 49152 rows
+    for SmolLM2); read from (C, V) it measured twice as fast on our CPU as
+    ``F.linear`` over (V, C) rows. Lookups gather columns, a negligible cost.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(d_model, vocab_size).normal_())  # (C, V)
+
+    @property
+    def weight(self) -> Tensor:
+        """The (V, C) matrix, one row per token (a view)."""
+        return self.weight_t.t()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight_t.t())  # (B, T) -> (B, T, C)
+
+    def logits(self, x: Tensor) -> Tensor:
+        return x @ self.weight_t  # (..., C) @ (C, V) -> (..., V)
 
 
 class LlamaBlock(nn.Module):
@@ -144,11 +171,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, tokenizer: GGUFTokenizer | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed = Vocabulary(config.vocab_size, config.d_model)
         rope = RotaryEmbedding(config.head_dim, base=config.rope_base)  # one for all layers: angles once a step
         self.layers = nn.ModuleList([LlamaBlock(config, rope) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_embeddings else Vocabulary(config.vocab_size, config.d_model)
         self.tokenizer = tokenizer
         # what the generation loop reads (attnkit.models.generation.CausalLM)
         self.vocab_size, self.context_length = config.vocab_size, config.context_length
@@ -178,8 +205,7 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def _head(self, x: Tensor) -> Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)  # (..., C) -> (..., V)
+        return (self.embed if self.lm_head is None else self.lm_head).logits(x)  # (..., C) -> (..., V)
 
     def _key_mask(self, input_ids: Tensor, attention_mask: object, cached: int) -> Tensor | None:
         if attention_mask is None:
@@ -275,10 +301,10 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
     """llama.cpp tensor names -> LlamaModel's state dict (float32), Q/K/V and gate/up fused."""
     expected = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if not config.tie_embeddings else set())
     total = config.num_layers + 1
-    out = {"embed.weight": torch.from_numpy(file.tensor("token_embd.weight")),
+    out = {"embed.weight_t": torch.from_numpy(file.tensor("token_embd.weight")).t().contiguous(),
            "norm.weight": torch.from_numpy(file.tensor("output_norm.weight"))}
     if not config.tie_embeddings:
-        out["lm_head.weight"] = torch.from_numpy(file.tensor("output.weight"))
+        out["lm_head.weight_t"] = torch.from_numpy(file.tensor("output.weight")).t().contiguous()
     for i in range(config.num_layers):
         old, new = f"blk.{i}.", f"layers.{i}."
         names = {n: old + n + ".weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -289,7 +315,7 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
         out[new + "attention.out_proj.weight"] = torch.from_numpy(file.tensor(names["attn_output"]))
         out[new + "attention_norm.weight"] = torch.from_numpy(file.tensor(names["attn_norm"]))
         out[new + "mlp_norm.weight"] = torch.from_numpy(file.tensor(names["ffn_norm"]))
-        out[new + "mlp.gate_up_proj.weight"] = _fuse(file, (names["ffn_gate"], names["ffn_up"]), (None, None))
+        out[new + "mlp.gate_up_t"] = _fuse(file, (names["ffn_gate"], names["ffn_up"]), (None, None)).t().contiguous()
         out[new + "mlp.down_proj.weight"] = torch.from_numpy(file.tensor(names["ffn_down"]))
         if progress is not None:
             progress(i + 1, total)
