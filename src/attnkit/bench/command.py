@@ -86,6 +86,16 @@ def _ring(options: Options) -> list[Row]:
 ROW_SUITES: dict[str, Callable[[Options], list[Row]]] = {"generate": _generate, "ring": _ring}
 
 
+def _generate_plot(rows: list[Row], out: Path) -> list[Path]:
+    from .generate import plot
+
+    return plot(rows, out)
+
+
+# Row suites that also draw their rows: name -> function(rows, folder) -> files written.
+ROW_PLOTS: dict[str, Callable[[list[Row], Path], list[Path]]] = {"generate": _generate_plot}
+
+
 def suite_names() -> list[str]:
     """Every name ``--suite`` takes."""
     return [*bench_cases.SUITES, "custom", *ROW_SUITES]
@@ -223,6 +233,11 @@ def run(options: Options, console: Any = None) -> list[Path]:
         rows = ROW_SUITES[options.suite](options)
         report.print_rows(console, f"suite {options.suite}", rows, env)
         written = report.write_rows(out, f"suite {options.suite}", rows, env)
+        if options.suite in ROW_PLOTS:
+            try:
+                written += ROW_PLOTS[options.suite](rows, out)
+            except MissingDependencyError as err:
+                console.print(plain(f"no plots: {err}"))
     else:
         rows, rates = _time_cases(cases, options, console)
         env["matmul_samples_gflops"] = [round(r) for r in rates]

@@ -269,3 +269,32 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def plot(rows: list[dict[str, Any]], out_dir: Any) -> list[Any]:
+    """decode.png: decode tokens/s per contender and prompt length, beside the measured bound."""
+    from pathlib import Path
+
+    plt = require("matplotlib.pyplot", "The generate suite's plot")
+    gen = [r for r in rows if r["kind"] == "generate"]
+    bound = next((r["decode_tokens_per_s"] for r in rows if r["kind"] == "bound"), None)
+    lengths = sorted({r["prompt_len"] for r in gen})
+    names = list(dict.fromkeys(r["contender"] for r in gen))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        rates = [next((r["decode_tokens_per_s"] for r in gen if r["contender"] == name and r["prompt_len"] == t), 0)
+                 for t in lengths]
+        ax.bar([j + i * width for j in range(len(lengths))], rates, width, label=name)
+    if bound is not None:
+        ax.axhline(bound, color="black", linestyle=":", label=f"bound: one pass of all weights ({bound:.1f}/s)")
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(lengths))],
+                  [f"prompt {t}" for t in lengths])
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title(f"SmolLM2-135M decode, {gen[0]['dtype'] if gen else ''}, {gen[0]['threads'] if gen else ''} threads")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path = Path(out_dir) / "decode.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]

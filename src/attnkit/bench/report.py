@@ -197,18 +197,27 @@ def columns(rows: Sequence[Row]) -> list[str]:
     return list(dict.fromkeys(key for row in rows for key in row))
 
 
+def _by_kind(rows: Sequence[Row]) -> list[tuple[str, list[Row]]]:
+    """Rows grouped by their "kind" (in order of appearance): one table each, with only its own columns."""
+    out: dict[str, list[Row]] = {}
+    for row in rows:
+        out.setdefault(str(row.get("kind", "")), []).append(row)
+    return list(out.items())
+
+
 def print_rows(console: Any, title: str, rows: Sequence[Row], env: dict[str, Any]) -> None:
-    """A suite's own rows (any keys) as one table: the suites of :data:`.command.ROW_SUITES`."""
+    """A suite's own rows (any keys), one table per kind of row: the suites of :data:`.command.ROW_SUITES`."""
     rich_table = require("rich.table", "attnkit bench")
     plain = require("rich.text", "attnkit bench").Text  # keys and values are data, never markup
     console.print(plain(", ".join(f"{k}: {v}" for k, v in env.items())))
-    keys = columns(rows)
-    table = rich_table.Table(title=plain(title), title_justify="left")
-    for key in keys:
-        table.add_column(plain(key))
-    for row in rows:
-        table.add_row(*(plain(_cell(row.get(k))) for k in keys))
-    console.print(table)
+    for kind, members in _by_kind(rows):
+        keys = [k for k in columns(members) if k != "kind"]
+        table = rich_table.Table(title=plain(f"{title}: {kind}" if kind else title), title_justify="left")
+        for key in keys:
+            table.add_column(plain(key))
+        for row in members:
+            table.add_row(*(plain(_cell(row.get(k))) for k in keys))
+        console.print(table)
 
 
 def write_rows(out_dir: Path, title: str, rows: Sequence[Row], env: dict[str, Any]) -> list[Path]:
@@ -220,11 +229,13 @@ def write_rows(out_dir: Path, title: str, rows: Sequence[Row], env: dict[str, An
 
 
 def rows_markdown(title: str, rows: Sequence[Row], env: dict[str, Any]) -> str:
-    """A suite's own rows as one markdown table, after the environment."""
-    keys = columns(rows)
-    lines = ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "", f"**{title}**", "",
-             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(_cell(row.get(k)) for k in keys) + " |" for row in rows]
+    """A suite's own rows as markdown, one table per kind of row, after the environment."""
+    lines = ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+    for kind, members in _by_kind(rows):
+        keys = [k for k in columns(members) if k != "kind"]
+        lines += ["", f"**{title}: {kind}**" if kind else f"**{title}**", "",
+                  "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(_cell(row.get(k)) for k in keys) + " |" for row in members]
     return "\n".join(lines) + "\n"
 
 
