@@ -53,8 +53,8 @@ def grid(contenders: list[str], modes: list[str], batches: list[int], seq_lens: 
 
 
 LAYER_RIVALS = ["attnkit", "raw-sdpa", "torch-mha", "torch-mha-is-causal", "textbook-mha", "attnkit-chunked"]
-EVERY_LAYER = ["attnkit", "attnkit-sdpa", "attnkit-chunked", "attnkit-math", "raw-sdpa", "torch-mha",
-               "torch-mha-is-causal", "torch-mha-weights", "textbook-mha", "textbook-wrapper", "lfs-mha",
+EVERY_LAYER = ["attnkit", "attnkit-sdpa", "attnkit-chunked", "attnkit-math", "attnkit-compiled", "raw-sdpa",
+               "torch-mha", "torch-mha-is-causal", "torch-mha-weights", "textbook-mha", "textbook-wrapper", "lfs-mha",
                "lfs-wrapper", "hf-gpt2-eager", "hf-gpt2-sdpa"]
 CORES = ["core-auto", "core-sdpa", "core-chunked", "core-torch-sdpa", "core-math"]
 DECODERS = ["decode-attnkit-cache", "decode-attnkit-cache-keymask", "decode-attnkit-recompute",

@@ -196,6 +196,8 @@ def _contenders() -> dict[str, Contender]:
         Contender("attnkit-chunked", "attnkit.MultiHeadAttention, backend chunked", lambda r, t: _copy(r, "chunked")),
         Contender("attnkit-math", "attnkit.MultiHeadAttention, backend math", lambda r, t: _copy(r, "math"),
                   materializes=BOTH),
+        Contender("attnkit-compiled", "torch.compile(attnkit.MultiHeadAttention) (compiled in the warm-up call)",
+                  lambda r, t: torch.compile(_copy(r, "auto"))),
         Contender("raw-sdpa", "fused QKV + F.scaled_dot_product_attention(is_causal=True)", _raw_sdpa),
         Contender("torch-mha", "nn.MultiheadAttention, float causal mask", _torch_mha("mask")),  # SDPA + (T, T) mask
         Contender("torch-mha-is-causal", "nn.MultiheadAttention, bool causal mask + is_causal hint",
