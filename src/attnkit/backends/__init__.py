@@ -55,7 +55,7 @@ def observe(observer: Observer) -> Iterator[None]:
         _OBSERVERS.remove(entry)
 
 
-def _observers() -> list[Observer]:
+def _active() -> list[Observer]:
     me = threading.get_ident()
     return [observer for thread, observer in _OBSERVERS if thread == me]
 
@@ -66,7 +66,7 @@ def run(call: AttentionCall, *, backend: str = "auto", return_weights: bool = Fa
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     chosen = choose(backend, call, return_weights=return_weights)
-    observers = _observers() if _OBSERVERS else None
+    observers = _active() if _OBSERVERS else None
     if observers:
         steps = math_intermediates(call)
         for observer in observers:

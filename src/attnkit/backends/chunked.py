@@ -379,7 +379,7 @@ def _why_not(call: AttentionCall) -> str | None:
     return None
 
 
-CHUNKED = register(Backend(
+register(Backend(
     name="chunked",
     run=chunked_attention,
     why_not=_why_not,
