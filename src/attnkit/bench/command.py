@@ -76,11 +76,13 @@ def _generate(options: Options) -> list[Row]:
 
 
 def _ring(options: Options) -> list[Row]:
-    from .ring import run_ring_suite
+    from .ring import memory_slope_rows, run_ring_suite
 
     if options.seq_lens:
-        return run_ring_suite(seq_lens=tuple(options.seq_lens), repeats=options.repeats)
-    return run_ring_suite(repeats=options.repeats)
+        rows = run_ring_suite(seq_lens=tuple(options.seq_lens), repeats=options.repeats)
+    else:
+        rows = run_ring_suite(repeats=options.repeats)
+    return rows + memory_slope_rows(rows)
 
 
 ROW_SUITES: dict[str, Callable[[Options], list[Row]]] = {"generate": _generate, "ring": _ring}

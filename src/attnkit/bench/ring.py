@@ -122,6 +122,12 @@ def run_ring_suite(*, seq_lens: Sequence[int] = (4096, 8192, 16384), world_sizes
     return _summarise(per_rank)
 
 
+def memory_slope_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`memory_slopes` as rows of their own kind, for the bench's report."""
+    return [{"kind": "memory per rank vs P (log-log slope; -1 = 1/P)", "T": t, "mode": mode, "layout": layout,
+             "slope": round(slope, 2)} for (t, mode, layout), slope in memory_slopes(rows).items()]
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'T':>6} {'P':>2} {'mode':<17} {'layout':<10} {'ms/call':>9} {'MiB/rank':>9} {'imbal':>6}  "
             "compute ms / wait ms per rank")
