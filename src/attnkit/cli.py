@@ -1,10 +1,13 @@
 """The ``attnkit`` command: thin subcommands over library functions.
 
-    attnkit explain [TEXT ...]   multi-head attention step by step
-    attnkit bench [--quick]      speed and memory beside the alternatives
+    attnkit explain [TEXT ...]   multi-head attention step by step (--model minilm / smollm2)
+    attnkit bench [--quick]      speed and memory beside the alternatives (--suite generate / ring)
+    attnkit generate PROMPT      SmolLM2 on attnkit layers, streamed (attnkit.models.cli)
+    attnkit chat                 a conversation with SmolLM2 (attnkit.models.cli)
+    attnkit train induction      watch an induction head form (attnkit.train.cli)
 
 Each subcommand parses its options and calls the library (:mod:`attnkit.inspect`,
-:mod:`attnkit.bench.command`). Every error is one line on stderr and exit code 2.
+:mod:`attnkit.bench.command`, :mod:`attnkit.models`, :mod:`attnkit.train`). Every error is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
