@@ -7,7 +7,8 @@
     attnkit train induction      watch an induction head form (attnkit.train.cli)
 
 Each subcommand parses its options and calls the library (:mod:`attnkit.inspect`,
-:mod:`attnkit.bench.command`, :mod:`attnkit.models`, :mod:`attnkit.train`). Every error is one line on stderr and exit code 2.
+:mod:`attnkit.bench.command`, :mod:`attnkit.models`, :mod:`attnkit.train`). Every error is one
+line on stderr and exit code 2.
 """
 
 from __future__ import annotations
