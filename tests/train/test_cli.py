@@ -50,3 +50,18 @@ def test_cuda_without_a_gpu_is_an_error_naming_it(tmp_path, capsys):
         pytest.skip("this machine has a GPU")
     assert cli.main(["train", "induction", "--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "device='cuda'" in capsys.readouterr().err
+
+
+def test_a_missing_matplotlib_hint_keeps_its_brackets(monkeypatch, tmp_path, capsys):
+    """rich read "[viz]" in the hint as markup and printed pip install 'attnkit'."""
+    from attnkit import cli
+    from attnkit._optional import MissingDependencyError
+    from attnkit.train import report
+
+    def missing(*_: object, **__: object) -> None:
+        raise MissingDependencyError("attnkit's heatmaps needs the optional package 'matplotlib', which is not "
+                                     "installed: pip install 'attnkit[viz]'")
+
+    monkeypatch.setattr(report, "write_figures", missing)
+    assert cli.main(["train", "induction", "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert "pip install 'attnkit[viz]'" in " ".join(capsys.readouterr().out.split())

@@ -157,7 +157,8 @@ def _chat(args: argparse.Namespace) -> int:
             return 0
         except ValueError as err:  # e.g. the conversation outgrew the context: say so, keep the session
             messages.pop()
-            console.print(f"[red]error:[/red] {err} (type /reset to start over)")
+            escape = require("rich.markup", "attnkit chat").escape  # the message is data, never markup
+            console.print(f"[red]error:[/red] {escape(str(err))} (type /reset to start over)")
             continue
         messages.append({"role": "assistant", "content": reply})
         _speed(console, stats)

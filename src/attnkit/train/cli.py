@@ -30,6 +30,7 @@ def _train(args: argparse.Namespace) -> int:
     config = _config(args)  # bad values are errors before anything else
     rich_console = require("rich.console", "attnkit train")
     rich_progress = require("rich.progress", "attnkit train")
+    escape = require("rich.markup", "attnkit train").escape
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = rich_console.Console(highlight=False)
@@ -50,8 +51,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         written += report.write_figures(run, out)
     except MissingDependencyError as err:
-        console.print(f"no figures: {err}")
-    console.print("wrote " + ", ".join(str(p) for p in written))
+        console.print(f"no figures: {escape(str(err))}")  # data, not markup: "[viz]" must stay
+    console.print(escape("wrote " + ", ".join(str(p) for p in written)))
     return 0
 
 
