@@ -297,26 +297,36 @@ def _fuse(file: GGUFFile, names: Sequence[str], heads: Sequence[int | None]) -> 
 
 
 def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
-                         progress: Callable[[int, int], None] | None = None) -> dict[str, Tensor]:
-    """llama.cpp tensor names -> LlamaModel's state dict (float32), Q/K/V and gate/up fused."""
+                         progress: Callable[[int, int], None] | None = None, *,
+                         dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """llama.cpp tensor names -> LlamaModel's state dict in ``dtype``, Q/K/V and gate/up fused.
+
+    Each tensor is cast as it is read, so a half-precision load never holds every
+    weight in float32 at once.
+    """
     expected = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if not config.tie_embeddings else set())
     total = config.num_layers + 1
-    out = {"embed.weight_t": torch.from_numpy(file.tensor("token_embd.weight")).t().contiguous(),
-           "norm.weight": torch.from_numpy(file.tensor("output_norm.weight"))}
+    out: dict[str, Tensor] = {}
+
+    def put(name: str, tensor: Tensor) -> None:
+        out[name] = tensor.to(dtype)
+
+    put("embed.weight_t", torch.from_numpy(file.tensor("token_embd.weight")).t().contiguous())
+    put("norm.weight", torch.from_numpy(file.tensor("output_norm.weight")))
     if not config.tie_embeddings:
-        out["lm_head.weight_t"] = torch.from_numpy(file.tensor("output.weight")).t().contiguous()
+        put("lm_head.weight_t", torch.from_numpy(file.tensor("output.weight")).t().contiguous())
     for i in range(config.num_layers):
         old, new = f"blk.{i}.", f"layers.{i}."
         names = {n: old + n + ".weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                                                   "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
         expected |= set(names.values())
         qkv = (names["attn_q"], names["attn_k"], names["attn_v"])
-        out[new + "attention.qkv_proj.weight"] = _fuse(file, qkv, (config.num_heads, config.num_kv_heads, None))
-        out[new + "attention.out_proj.weight"] = torch.from_numpy(file.tensor(names["attn_output"]))
-        out[new + "attention_norm.weight"] = torch.from_numpy(file.tensor(names["attn_norm"]))
-        out[new + "mlp_norm.weight"] = torch.from_numpy(file.tensor(names["ffn_norm"]))
-        out[new + "mlp.gate_up_t"] = _fuse(file, (names["ffn_gate"], names["ffn_up"]), (None, None)).t().contiguous()
-        out[new + "mlp.down_proj.weight"] = torch.from_numpy(file.tensor(names["ffn_down"]))
+        put(new + "attention.qkv_proj.weight", _fuse(file, qkv, (config.num_heads, config.num_kv_heads, None)))
+        put(new + "attention.out_proj.weight", torch.from_numpy(file.tensor(names["attn_output"])))
+        put(new + "attention_norm.weight", torch.from_numpy(file.tensor(names["attn_norm"])))
+        put(new + "mlp_norm.weight", torch.from_numpy(file.tensor(names["ffn_norm"])))
+        put(new + "mlp.gate_up_t", _fuse(file, (names["ffn_gate"], names["ffn_up"]), (None, None)).t().contiguous())
+        put(new + "mlp.down_proj.weight", torch.from_numpy(file.tensor(names["ffn_down"])))
         if progress is not None:
             progress(i + 1, total)
     unexpected = sorted(set(file.tensor_names) - expected)
@@ -346,10 +356,10 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
                          f"{config.vocab_size}")
-    weights = convert_gguf_weights(file, config, progress)
+    weights = convert_gguf_weights(file, config, progress, dtype=dtype)
     with torch.device("meta"):  # no random initialisation: every parameter is assigned below
         model = LlamaModel(config, tokenizer)
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True, assign=True)
+    model.load_state_dict(weights, strict=True, assign=True)
     return model.eval()
 
 
