@@ -7,7 +7,6 @@ import torch
 
 from attnkit import attention
 from attnkit.backends import chunked
-from attnkit.backends.call import make_call
 
 
 def _qkv(t: int = 7, s: int = 7, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -30,11 +29,6 @@ def test_double_backward_through_chunked_is_not_silently_constant():
     it got zero gradient). Second-order gradients now equal the math backend's."""
     for got, expected in zip(_second_order("chunked"), _second_order("math"), strict=True):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-9)
-
-
-def test_chunked_reports_double_backward_support_to_the_registry():
-    call = make_call(*_qkv(), causal=True)
-    assert chunked.supports_double_backward(call) is True
 
 
 def test_chunked_under_torch_func_vmap_and_grad():

@@ -361,16 +361,6 @@ def chunked_attention(call: AttentionCall) -> Tensor:
     return _ChunkedFunction.apply(call.q, call.k, call.v, call.mask, plan)[0]
 
 
-def supports_double_backward(call: AttentionCall) -> bool:
-    """Whether second-order gradients through this backend are exact for ``call``: always.
-
-    They are, but the double backward recomputes a dense (B, H, T, S)
-    forward: a caller that must bound memory under ``create_graph=True``
-    should prefer another backend.
-    """
-    return True
-
-
 def _why_not(call: AttentionCall) -> str | None:
     if call.dropout_p > 0:
         return f"it has no dropout (dropout_p={call.dropout_p}); use 'sdpa' or 'math'"

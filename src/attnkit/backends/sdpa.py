@@ -54,9 +54,8 @@ def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
 
 def _propagate_nan(q: Tensor, out: Tensor) -> Tensor:
     """NaN in the rows of out whose query holds a NaN, as the math and chunked backends give."""
-    if torch.compiler.is_compiling():  # no data-dependent branch in a graph
-        return out.masked_fill(q.isnan().any(dim=-1, keepdim=True), torch.nan)
-    if bool(q.isnan().any()):
+    # under torch.compile, fill unconditionally: a graph has no data-dependent branch
+    if torch.compiler.is_compiling() or bool(q.isnan().any()):
         return out.masked_fill(q.isnan().any(dim=-1, keepdim=True), torch.nan)
     return out
 

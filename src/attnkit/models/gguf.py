@@ -15,7 +15,6 @@ Legend: H heads (query or key/value), D head dim.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,11 +70,6 @@ class GGUFFile:
                              f"{expected}; the file may be corrupt")
         array = np.asarray(array, dtype=np.float32)
         return array if array.flags.writeable else array.copy()  # F32 tensors are read-only views of the file
-
-    def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(name, float32 array) for every tensor, in file order."""
-        for name in self._tensors:
-            yield name, self.tensor(name)
 
 
 def _field_value(reader_field: Any) -> Any:
