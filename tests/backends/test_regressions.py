@@ -96,3 +96,11 @@ def test_auto_picks_chunked_for_a_large_causal_call_with_a_padding_mask():
     assert choose("auto", make_call(q, q, q, causal=True), return_weights=False) is BACKENDS["sdpa"]  # is_causal
     small = make_call(q[:, :, :64], q[:, :, :64], q[:, :, :64], key_mask=key_mask[:, :64], causal=True)
     assert choose("auto", small, return_weights=False) is BACKENDS["sdpa"]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "auto", "math", "chunked"])
+def test_attention_runs_under_vmap(backend):
+    """The NaN check of the sdpa adapter was a data-dependent branch that vmap refuses."""
+    q = torch.randn(3, 1, 2, 4, 8)
+    out = torch.func.vmap(lambda a: attnkit.attention(a, a, a, backend=backend))(q)
+    torch.testing.assert_close(out, torch.stack([attnkit.attention(a, a, a, backend="math") for a in q]))

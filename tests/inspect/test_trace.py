@@ -256,3 +256,18 @@ def test_a_textbook_layer_called_with_a_keyword_input_is_traced():
     with attnkit.trace(layer) as t:
         out = layer(x=torch.randn(1, 4, 8))
     torch.testing.assert_close(t.records[0].output, out)
+
+
+def test_a_textbook_subclass_that_overrides_forward_is_not_recorded_as_the_base_class():
+    """Its output would be the base class's steps, not what the layer computed (silently wrong)."""
+
+    class Hot(tb.CausalAttention):
+        def forward(self, x):
+            return super().forward(x * 3.0)
+
+    torch.manual_seed(0)
+    layer = Hot(8, 8, 6, 0.0).eval()
+    x = torch.randn(1, 6, 8)
+    with attnkit.trace(layer) as t:
+        out = layer(x)
+    assert all(torch.allclose(r.output, out) for r in t.records)  # nothing recorded that the layer did not compute

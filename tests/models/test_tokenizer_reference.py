@@ -19,7 +19,8 @@ from attnkit.models import load_gguf  # noqa: E402
 
 TEXTS = ["Hello, world!", "naïve café — Ünïcødé 你好 🙂", "digits 0123456789 and 3.14159 and 2024-11-23",
          "runs of spaces:    four,  two,\ttab\n\nnewlines   ", "  leading and trailing  ",
-         "<|im_start|>user\nspecial tokens stay whole<|im_end|>", "def f(x):\n    return x**2  # code"]
+         "<|im_start|>user\nspecial tokens stay whole<|im_end|>", "def f(x):\n    return x**2  # code",
+         "a ½", "x  9", "Ünïcödé ½ ２３４ 𝔘", "1234567890  99   spaces"]  # digit splits used to differ
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def test_bad_context():
     cross = CrossAttention(16, 16, 4, d_context=8)
     with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'context'"):
         cross(torch.randn(2, 5, 16))
-    with pytest.raises(ValueError, match=r"context must be a \(B, T, d_context=8\) tensor .* got \(2, 3, 16\)"):
+    with pytest.raises(ValueError, match=r"context must be a \(B, S, d_context=8\) tensor .* got \(2, 3, 16\)"):
         cross(torch.randn(2, 5, 16), torch.randn(2, 3, 16))
     with pytest.raises(ValueError, match=r"context has batch size 3 but x has 2"):
         cross(torch.randn(2, 5, 16), torch.randn(3, 3, 8))

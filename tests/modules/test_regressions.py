@@ -171,3 +171,14 @@ def test_changing_rope_base_changes_the_angles():
     rope(q, q)
     rope.base = 500.0
     torch.testing.assert_close(rope(q, q)[0], RotaryEmbedding(8, base=500.0)(q, q)[0])
+
+
+def test_integer_input_is_named_as_such():
+    with pytest.raises(TypeError, match=r"x must be floating point, got dtype torch.int64"):
+        MultiHeadAttention(8, 8, 2)(torch.ones(1, 3, 8, dtype=torch.long))
+
+
+def test_to_torch_batch_first_must_be_a_bool():
+    """None would silently have meant sequence-first."""
+    with pytest.raises(TypeError, match="batch_first must be a bool, got None"):
+        MultiHeadAttention(8, 8, 2).to_torch(batch_first=None)  # type: ignore[arg-type]

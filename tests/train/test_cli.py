@@ -36,6 +36,7 @@ def test_a_short_run_writes_metrics_curves_heatmap_and_page(tmp_path, capsys):
     (["--seq-len", "3"], "seq_len=3 is too short to repeat"),
     (["--vocab-size", "1"], "vocab_size=1"),
     (["--device", "tpu9"], "device='tpu9'"),
+    (["--device", "meta"], "takes 'cpu' or 'cuda', got a meta device"),
 ])
 def test_bad_input_is_one_line_naming_the_value(tmp_path, capsys, args, message):
     code = cli.main(["train", "induction", *args, "--out", str(tmp_path)])

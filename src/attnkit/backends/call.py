@@ -147,7 +147,7 @@ def check_key_mask(key_mask: object, q: Tensor, num_keys: int, *, name: str = "k
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or key_mask.shape != (b, num_keys):
         got = f"{key_mask.dtype} {tuple(key_mask.shape)}" if isinstance(key_mask, Tensor) else repr(key_mask)
         raise ValueError(f"{name} must be a bool (B, S) = ({b}, {num_keys}) tensor, True = real token "
-                         f"(S counts cached positions too); got {got}")
+                         f"(S counts cached positions too, where a KV cache holds some); got {got}")
     if key_mask.device != q.device:
         raise ValueError(f"{name} is on {key_mask.device} but q is on {q.device}")
     return key_padding_to_mask(key_mask)  # (B, S) -> (B, 1, 1, S)

@@ -88,7 +88,8 @@ def choose(name: str, call: AttentionCall, *, return_weights: bool) -> Backend:
     AUTO_ORDER that can serve the call. A named backend that cannot serve the
     call is an error saying why.
 
-    The chunked backend supports second-order gradients (under
+    The math and chunked backends support second-order gradients (PyTorch's
+    CPU SDPA kernels do not); chunked does it (under
     ``create_graph=True`` its backward recomputes a dense, differentiable
     forward: exact, with O(T * S) memory in that mode only).
     """

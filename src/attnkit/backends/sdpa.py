@@ -54,8 +54,9 @@ def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
 
 def _propagate_nan(q: Tensor, out: Tensor) -> Tensor:
     """NaN in the rows of out whose query holds a NaN, as the math and chunked backends give."""
-    # under torch.compile, fill unconditionally: a graph has no data-dependent branch
-    if torch.compiler.is_compiling() or bool(q.isnan().any()):
+    # under torch.compile or torch.func (vmap), fill unconditionally: no data-dependent branch there
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(q) \
+            or bool(q.isnan().any()):
         return out.masked_fill(q.isnan().any(dim=-1, keepdim=True), torch.nan)
     return out
 

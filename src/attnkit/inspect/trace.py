@@ -168,10 +168,15 @@ _TEXTBOOK: dict[type, Callable[..., tuple[Tensor, list[Tensor]]]] = {
 
 
 def textbook_adapter(module: nn.Module) -> Callable[..., tuple[Tensor, list[Tensor]]] | None:
-    """The step-by-step adapter for a textbook attention class (or a subclass of one), else None."""
+    """The step-by-step adapter for a textbook attention class or a subclass that keeps its forward, else None.
+
+    A subclass that overrides ``forward`` computes something the adapter does not know: it is not
+    recorded step by step (its attention() calls, if any, still are).
+    """
     for cls in type(module).__mro__:
         if cls in _TEXTBOOK:
-            return _TEXTBOOK[cls]
+            kept = getattr(type(module), "forward", None) is getattr(cls, "forward", None)
+            return _TEXTBOOK[cls] if kept else None
     return None
 
 

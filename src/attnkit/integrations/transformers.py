@@ -103,7 +103,7 @@ def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
         what = _UNSUPPORTED.get(key, "an argument attnkit does not know")
         raise NotImplementedError(
             f"attnkit cannot compute {what}: {type(module).__name__} passed {key}={_short(value)}. "
-            "Use attn_implementation='eager' or 'sdpa' for this model.")
+            "Use attn_implementation='eager' (or another implementation the model supports).")
 
 
 def _weights_requested(kwargs: dict[str, Any]) -> bool:

@@ -104,6 +104,8 @@ def to_torch(layer: MultiHeadAttention | CrossAttention, *, batch_first: bool = 
     d_in != d_out have no equivalent there and raise.
     """
     _check_torch_equivalent(layer)
+    if not isinstance(batch_first, bool):
+        raise TypeError(f"batch_first must be a bool, got {batch_first!r}")
     weight, e = layer.out_proj.weight, layer.d_out
     projections: list[nn.Linear]
     if isinstance(layer, CrossAttention):

@@ -72,10 +72,12 @@ class AttentionHeads(nn.Module):
     def check_x(self, x: object, name: str = "x", width: int | None = None) -> Tensor:
         """x must be (B, T, width) with T >= 1, in the weights' dtype and on their device."""
         width = self.d_in if width is None else width
+        length, label = ("T", "d_in") if name == "x" else ("S", "d_context")
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != width or x.shape[1] == 0:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            label = "d_in" if name == "x" else "d_context"
-            raise ValueError(f"{name} must be a (B, T, {label}={width}) tensor with T >= 1, got {shape}")
+            raise ValueError(f"{name} must be a (B, {length}, {label}={width}) tensor with {length} >= 1, got {shape}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
         weight = self.out_proj.weight
         if (x.dtype, x.device) != (weight.dtype, weight.device):
             raise ValueError(f"{name} is {x.dtype} on {x.device} but the layer's weights are {weight.dtype} on "

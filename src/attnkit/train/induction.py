@@ -77,7 +77,7 @@ class InductionConfig:
                              f">= {2 * MIN_SEGMENT} (two copies of at least {MIN_SEGMENT} tokens)")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
-        if not (self.lr > 0 and self.weight_decay >= 0 and self.warmup >= 0):
+        if not (0 < self.lr < float("inf") and 0 <= self.weight_decay < float("inf") and self.warmup >= 0):
             raise ValueError(f"lr={self.lr}, weight_decay={self.weight_decay}, warmup={self.warmup}: "
                              "expected lr > 0, weight_decay >= 0 and warmup >= 0")
 
@@ -88,6 +88,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device={device!r} is not a device name such as 'cpu' or 'cuda'") from err
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: the training run takes 'cpu' or 'cuda', got a {resolved.type} device")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} asked for, but torch sees no CUDA GPU here; use 'cpu'")
     return resolved
