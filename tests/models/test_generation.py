@@ -264,3 +264,12 @@ def test_an_interrupted_forward_leaves_every_cache_as_it_was() -> None:
         handle.remove()
     assert [len(c) for c in caches] == [2, 2, 2]
     torch.testing.assert_close(model(ids[:, 2:], kv_caches=caches), model(ids)[:, 2:])
+
+
+def test_a_tiny_temperature_samples_the_greedy_token_and_infinity_is_refused(tiny32: Any) -> None:
+    """1e-40 overflowed logits / temperature to inf and softmax to NaN (a RuntimeError from multinomial)."""
+    ids = tiny32.tokenize("the")["input_ids"]
+    greedy = tiny32.generate(ids, max_new_tokens=4, stop_ids=[])
+    torch.testing.assert_close(tiny32.generate(ids, max_new_tokens=4, temperature=1e-40, seed=0, stop_ids=[]), greedy)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        tiny32.generate(ids, max_new_tokens=1, temperature=float("inf"))

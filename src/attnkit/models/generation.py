@@ -84,8 +84,8 @@ class Sampler:
 
     def __post_init__(self) -> None:
         t, k, p = self.temperature, self.top_k, self.top_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got temperature={t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got temperature={t!r}")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"top_k must be a positive int or None, got top_k={k!r}")
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
@@ -95,7 +95,8 @@ class Sampler:
         """Next token ids (B,) from logits (B, V)."""
         if self.temperature == 0:
             return logits.argmax(dim=-1)  # (B, V) -> (B,)
-        scores = logits.float() / self.temperature  # (B, V)
+        # from the row maximum, in float64: a tiny temperature gives -huge, never inf - inf = nan
+        scores = (logits.double() - logits.amax(dim=-1, keepdim=True).double()) / self.temperature  # (B, V)
         if self.top_k is not None and self.top_k < scores.shape[-1]:
             kth = scores.topk(self.top_k, dim=-1).values[:, -1:]  # (B, V) -> (B, 1)
             scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -22,7 +22,8 @@ from torch import Tensor
 from attnkit._optional import require
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
-# How each pre-tokenizer named in tokenizer.ggml.pre splits text before the merges.
+# How each pre-tokenizer named in tokenizer.ggml.pre splits text before the merges ("smollm" as
+# transformers' GGUF tokenizer reads it: GPT-2's byte-level split, the ids the tests compare with).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_TOKENIZERS = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm": "gpt2",
@@ -34,8 +35,6 @@ def _pre_tokenizer(kind: str) -> Any:
     pre = require("tokenizers.pre_tokenizers", "The GGUF tokenizer")
     tokenizers = require("tokenizers", "The GGUF tokenizer")
     byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=kind != "llama3")
-    if kind == "digits":  # SmolLM: every digit on its own, then GPT-2's split
-        return pre.Sequence([pre.Digits(individual_digits=True), byte_level])
     if kind == "llama3":
         return pre.Sequence([pre.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior="isolated"), byte_level])
     return byte_level
