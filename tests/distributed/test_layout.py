@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attnkit.distributed.layout import check_length, chunk_positions
-from attnkit.distributed.ring import _pairs, _Spec
+from attnkit.distributed.ring import _blocks, _phase, _Spec, _tick
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -29,22 +30,65 @@ def test_a_length_the_layout_cannot_split_names_the_multiple():
         check_length(10, 3, "contiguous")
 
 
-def _work(world: int, layout: str, rank: int) -> int:
-    """Chunk pairs rank ``rank`` computes over the whole ring under causal attention (diagonal pairs count 1/2)."""
-    spec = _Spec(True, 1.0, layout, rank, world, None, 8 * world)
-    return sum(1 if causal is False else 0.5 for src in range(world)
-               for _, _, causal, _ in _pairs(spec, src))  # type: ignore[misc]
+def _work(world: int, layout: str, rank: int, tick: int | None = None) -> float:
+    """Chunk pairs rank ``rank`` computes over the ring under causal attention (diagonal pairs count 1/2),
+    in one tick of the forward schedule or over all of them."""
+    spec = _Spec(True, 1.0, layout, rank, world, None, 2 * 1024 * world)
+    pieces = spec.pieces()
+    phases = [_phase(t, world, len(pieces), 1) for t in (range(len(pieces) * world) if tick is None else [tick])]
+    share = 1 / len(pieces)  # of a chunk, per piece
+    return sum(share * (1 if causal is False else 0.5) for index, hops in phases
+               for _, _, causal, _ in _blocks(spec, (rank - hops) % world, pieces[index]))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_causal_ring_skips_hidden_blocks_and_zigzag_balances_them(world):
-    """Contiguous: rank r computes r + 1/2 chunk pairs (later ranks more); zigzag: every rank the same."""
+    """Contiguous: rank r computes r + 1/2 chunk pairs (later ranks more); zigzag: every rank the same,
+    in every tick of the schedule and not only in total."""
     contiguous = [_work(world, "contiguous", r) for r in range(world)]
-    assert contiguous == [r + 0.5 for r in range(world)]  # key chunks after a rank's queries are skipped
+    torch.testing.assert_close(contiguous, [r + 0.5 for r in range(world)])  # hidden key chunks are skipped
     zigzag = [_work(world, "zigzag", r) for r in range(world)]
-    assert zigzag == [2 * world] * world  # (2P)^2 / 2 pairs of chunks in all, the same share on each rank
+    torch.testing.assert_close(zigzag, [2.0 * world] * world)  # (2P)^2 / 2 pairs in all, the same share each
+    pieces = len(_Spec(True, 1.0, "zigzag", 0, world, None, 2 * 1024 * world).pieces())
+    for tick in range(pieces * world):
+        per_rank = [_work(world, "zigzag", r, tick) for r in range(world)]
+        assert max(per_rank) - min(per_rank) < 0.5 / pieces, (tick, per_rank)  # at most a diagonal's rounding
 
 
 def test_non_causal_ring_computes_every_pair():
     spec = _Spec(False, 1.0, "zigzag", 0, 2, None, 16)
-    assert all(len(_pairs(spec, src)) == 4 for src in range(2))
+    assert all(len(_blocks(spec, src, keys)) == 4 for src in range(2) for keys in spec.pieces())
+
+
+@pytest.mark.parametrize(("layout", "world", "length", "rows"), [
+    ("contiguous", 1, 1024, 128), ("contiguous", 2, 4096, 256), ("contiguous", 4, 2048, 128),  # 64 -> at least 128
+    ("zigzag", 2, 4096, 128), ("zigzag", 4, 65536, 1024), ("zigzag", 4, 8 * 1025, 129),  # ceil(1025 / 8)
+    ("zigzag", 3, 600, 100),  # at most the chunk
+])
+def test_a_piece_is_an_eighth_of_each_chunk_at_least_128_positions(layout, world, length, rows):
+    spec = _Spec(True, 1.0, layout, 0, world, None, length)
+    size = len(spec.chunks(0)[0])
+    pieces = spec.pieces()
+    assert [p for r in pieces for p in r] == list(range(size))  # in order, each position of a chunk once
+    assert len(pieces[0]) == rows
+
+
+@pytest.mark.parametrize("hop_ticks", [1, 2])
+@pytest.mark.parametrize(("world", "num_pieces"), [(1, 3), (2, 1), (2, 5), (4, 3), (4, 8)])
+def test_schedule_every_rank_meets_every_piece_once_after_the_rank_before_it(world, num_pieces, hop_ticks):
+    """At each tick all ranks compute the same (piece j, hops h), one piece a tick; piece j of rank s is at
+    rank s + h at tick _tick(j, h), hop_ticks after it was at rank s + h - 1."""
+    ticks = _tick(num_pieces - 1, world - 1, world, hop_ticks) + 1
+    seen = {}
+    for tick in range(-2, ticks + 2 * world):
+        phase = _phase(tick, world, num_pieces, hop_ticks)
+        if phase is not None:
+            assert 0 <= tick < ticks and phase not in seen
+            seen[phase] = tick
+    assert sorted(seen) == [(j, h) for j in range(num_pieces) for h in range(world)]  # all, each once
+    for (index, hops), tick in seen.items():
+        assert tick == _tick(index, hops, world, hop_ticks)
+        if hops:
+            assert seen[(index, hops - 1)] == tick - hop_ticks
+    idle = ticks - len(seen)
+    assert idle == (world - 1 if hop_ticks == 2 and num_pieces % 2 else 0)  # an odd last piece has no partner

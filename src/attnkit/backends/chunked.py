@@ -14,7 +14,7 @@ of :mod:`attnkit.distributed` (one copy of the math):
 - :class:`BlockPlan` / :func:`block_plan`: the static facts of one (queries,
   keys) pair: causal band and its offset, scale, tile sizes;
 - :func:`block_forward`: (out, lse) of the queries against these keys alone;
-- :func:`merge_blocks`: two partial results over disjoint keys as one;
+- :func:`merge_into`: a partial result over other keys merged into a running one;
 - :func:`softmax_delta` and :func:`block_backward`: the gradients of one
   (queries, keys) pair given the global log-sum-exp and delta = rowsum(dO * O).
 
@@ -158,15 +158,17 @@ def _merge_weights(lse: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return torch.exp(lse - safe), torch.exp(lse_b - safe), new
 
 
-def merge_blocks(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Two partial results of the same queries over disjoint keys, as one.
+def merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Merge a partial result of the same queries over other keys into (out, lse), in place.
 
     ``out`` (..., T, Dv) are softmax-normalised over their own keys and ``lse``
-    (..., T) their log-sum-exps, -inf where a query saw no key (its out is 0).
-    Returns (out, lse) over the union of the keys; inputs are not modified.
+    (..., T) their log-sum-exps, -inf where a query saw no key (its out is 0);
+    afterwards they cover the union of the keys. ``out_b`` is overwritten.
+    In place (views included), so merging many small key blocks allocates nothing of size T * Dv.
     """
     w, w_b, new = _merge_weights(lse.unsqueeze(-1), lse_b.unsqueeze(-1))  # (..., T, 1) each
-    return out * w + out_b * w_b, new.squeeze(-1)
+    out.mul_(w).add_(out_b.mul_(w_b))
+    lse.copy_(new.squeeze(-1))
 
 
 def _visible_blocks(plan: BlockPlan, rows: range, num_keys: int, masked: bool) -> list[tuple[range, Visibility, bool]]:

@@ -1,20 +1,30 @@
 """Exact ring attention (context parallelism) over torch.distributed.
 
 Each of the P ranks holds a shard of the sequence (see :mod:`.layout`): its
-queries (B, H, n, D), keys and values (B, G, n, D) and key mask (B, n). In P
-steps the keys, values and key mask travel once around the ring (rank r sends
-to r + 1 and receives from r - 1 with ``batch_isend_irecv``, overlapped with
-the computation of the block it holds). Each (query chunk, key chunk) pair is
-computed by the chunked backend's block kernel
-(:func:`attnkit.backends.chunked.block_forward`) and the partial results are
-merged by their log-sum-exps, so the result is exact; pairs the causal band
-hides entirely are skipped. The backward pass (a custom autograd Function)
-recomputes each block with the global log-sum-exp and sends the key / value
-gradients around the ring with their keys: no rank ever holds the whole
+queries (B, H, n, D), keys and values (B, G, n, D) and key mask (B, n). The
+keys, values and key mask travel once around the ring (rank r sends to r + 1
+and receives from r - 1 with ``batch_isend_irecv``) in *pieces*: piece j of a
+shard is the j-th 1/8 of each of its chunks. All ranks follow one schedule:
+at each tick every rank computes one piece, piece j of the rank h places
+before it, while it passes that piece on and receives the next one, so
+communication overlaps computation and a rank holds two pieces in flight
+(about n / 4 positions), never a whole extra shard. Under the zigzag layout
+every rank has the same causal work in every tick, not only in total.
+
+Each (query chunk, key piece) pair is computed by the chunked backend's block
+kernel (:func:`attnkit.backends.chunked.block_forward`) and merged into the
+running output by log-sum-exps (:func:`~attnkit.backends.chunked.merge_into`),
+so the result is exact; pairs the causal band hides entirely are skipped.
+
+The backward pass (a custom autograd Function) recomputes each pair with the
+global log-sum-exp. Key / value gradients travel with their piece, two ticks
+a hop (computed, then sent while the next piece is computed), and after the
+last rank go home to the rank that owns them: no rank ever holds the whole
 sequence. Grouped-query keys and values travel with their G heads.
 
 Legend: B batch, H query heads, G key/value heads, n positions per rank, D
-head dim, Dv value head dim, P ranks.
+head dim, Dv value head dim, P ranks, C chunks per rank (1 or 2), m pieces
+per shard, L positions of a chunk in one piece.
 """
 
 from __future__ import annotations
@@ -29,11 +39,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnkit.backends.chunked import block_backward, block_forward, block_plan, merge_blocks, softmax_delta
+from attnkit.backends.chunked import block_backward, block_forward, block_plan, merge_into, softmax_delta
 from attnkit.functional import Visibility, block_visibility
 
 from .checks import check_agreement, describe
 from .layout import chunk_positions, rank_and_world
+
+_PIECES = 8  # pieces per shard: two in flight are n / 4 positions at any P
+_MIN_PIECE_ROWS = 128  # positions of a chunk per piece: smaller blocks cost the kernel more than they save
 
 
 @dataclass
@@ -68,6 +81,11 @@ def _timed(field: str) -> Iterator[None]:
             setattr(times, field, getattr(times, field) + time.perf_counter() - start)
 
 
+def _piece_rows(chunk: int) -> int:
+    """Positions of each chunk in one piece: 1/8 of the chunk, at least 128, at most the chunk."""
+    return min(chunk, max(_MIN_PIECE_ROWS, -(-chunk // _PIECES)))
+
+
 @dataclass(frozen=True)
 class _Spec:
     """Static facts of one ring call, identical on every rank (checked before the ring starts)."""
@@ -85,17 +103,45 @@ class _Spec:
         group_rank = (self.rank + step) % self.world
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
+    def chunks(self, rank: int) -> list[range]:
+        """The global positions of each chunk ``rank`` holds, in local order."""
+        return chunk_positions(rank, self.world, self.layout, self.length)
+
+    def pieces(self) -> list[range]:
+        """Piece j's positions within each chunk (the same in every chunk and on every rank)."""
+        size = len(self.chunks(0)[0])
+        rows = _piece_rows(size)
+        return [range(i, min(i + rows, size)) for i in range(0, size, rows)]
+
+
+def _tick(index: int, hops: int, world: int, hop_ticks: int) -> int:
+    """When piece ``index`` makes its ``hops``-th hop: pieces go round in groups of ``hop_ticks``, interleaved."""
+    return hop_ticks * world * (index // hop_ticks) + hop_ticks * hops + index % hop_ticks
+
+
+def _phase(tick: int, world: int, num_pieces: int, hop_ticks: int) -> tuple[int, int] | None:
+    """(piece j, hops h) that every rank computes at ``tick`` (piece j of rank r - h), or None when idle.
+
+    The inverse of :func:`_tick`: with one tick a hop (the forward pass) piece j
+    visits the ranks at ticks jP .. jP + P - 1; with two (the backward pass,
+    which sends a piece only after computing it) pieces 2i and 2i + 1 take
+    turns over ticks 2iP .. 2iP + 2P - 1.
+    """
+    group, rest = divmod(tick, hop_ticks * world)
+    hops, turn = divmod(rest, hop_ticks)
+    index = hop_ticks * group + turn
+    return (index, hops) if tick >= 0 and index < num_pieces else None
+
 
 class _Exchange:
-    """Tensors sent to the next rank while the same number arrive from the previous one."""
+    """Tensors sent to the next rank while tensors shaped like ``like`` arrive from the previous one."""
 
-    def __init__(self, spec: _Spec, tensors: list[Tensor], tag: int) -> None:
-        self.sent = [t.contiguous() for t in tensors]
-        self.received = [torch.empty_like(t) for t in self.sent]
+    def __init__(self, spec: _Spec, sent: list[Tensor], like: list[Tensor]) -> None:
+        self.received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like]
         nxt, prev = spec.peer(1), spec.peer(-1)
-        ops = [dist.P2POp(dist.isend, t, nxt, spec.group, tag + i) for i, t in enumerate(self.sent)]
-        ops += [dist.P2POp(dist.irecv, t, prev, spec.group, tag + i) for i, t in enumerate(self.received)]
-        self.works = dist.batch_isend_irecv(ops)
+        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, spec.group, tag) for tag, t in enumerate(sent)]
+        ops += [dist.P2POp(dist.irecv, t, prev, spec.group, tag) for tag, t in enumerate(self.received)]
+        self.works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> list[Tensor]:
         with _timed("wait_s"):
@@ -104,91 +150,148 @@ class _Exchange:
         return self.received
 
 
-def _pairs(spec: _Spec, src: int) -> list[tuple[slice, slice, bool, int]]:
-    """(local query slice, local key slice, causal, offset) of each pair of chunks not wholly hidden.
+def _blocks(spec: _Spec, src: int, keys: range) -> list[tuple[slice, slice, bool, int]]:
+    """(piece columns, local query rows, causal, offset) of each (query chunk, key chunk part) pair not hidden.
 
-    This rank's query chunks against the key chunks of rank ``src``; offset
-    is the difference of their first global positions.
+    A piece of rank ``src`` holds positions ``keys`` of each of its chunks, one
+    after the other; offset is the difference of the first global positions
+    of the query chunk and the key part (query i sees key j when j <= i + offset).
     """
-    q_ranges = chunk_positions(spec.rank, spec.world, spec.layout, spec.length)
-    k_ranges = chunk_positions(src, spec.world, spec.layout, spec.length)
-    size = len(q_ranges[0])
+    q_chunks = spec.chunks(spec.rank)
+    size, width = len(q_chunks[0]), len(keys)
     out = []
-    for a, qr in enumerate(q_ranges):
-        for b, kr in enumerate(k_ranges):
-            offset = qr.start - kr.start
+    for c, k_chunk in enumerate(spec.chunks(src)):
+        cols = slice(c * width, (c + 1) * width)
+        for a, q_chunk in enumerate(q_chunks):
+            offset = q_chunk.start - (k_chunk.start + keys.start)
             causal = spec.causal
             if causal:
-                seen = block_visibility(range(size), range(size), offset=offset, causal=True, window=None)
+                seen = block_visibility(range(size), range(width), offset=offset, causal=True, window=None)
                 if seen is Visibility.NONE:
-                    continue  # a key chunk after every query of this chunk: skipped, never computed
-                causal = seen is Visibility.SOME  # only the diagonal chunk needs the band
-            out.append((slice(a * size, (a + 1) * size), slice(b * size, (b + 1) * size), causal, offset))
+                    continue  # keys after every query of this chunk: skipped, never computed
+                causal = seen is Visibility.SOME  # only pairs that cross the diagonal need the band
+            out.append((cols, slice(a * size, (a + 1) * size), causal, offset))
     return out
 
 
-def _key_mask4(mask: Tensor | None, cols: slice) -> Tensor | None:
-    return None if mask is None else mask[:, None, None, cols].bool()  # (B, n) -> (B, 1, 1, Sb)
+def _key_mask4(mask: Tensor | None) -> Tensor | None:
+    return None if mask is None else mask[:, None, None, :].bool()  # (B, S) -> (B, 1, 1, S)
+
+
+def _cut(x: Tensor, keys: range, size: int, chunks: int) -> Tensor:
+    """Positions ``keys`` of each chunk of a local tensor, along dim 2 (dim 1 for a key mask).
+
+    (B, G, n, D) -> (B, G, C*L, D); a view when the rank has one chunk.
+    """
+    dim = 2 if x.dim() == 4 else 1
+    parts = [x.narrow(dim, c * size + keys.start, len(keys)) for c in range(chunks)]
+    return parts[0] if chunks == 1 else torch.cat(parts, dim=dim)  # (B, G, C*L, D)
 
 
 def _ring_forward(spec: _Spec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
     """(out (B, H, n, Dv) in the compute dtype, lse (B, H, n), -inf where a query sees no key)."""
-    held = [k, v] if mask is None else [k, v, mask]
-    out: Tensor | None = None
-    lse: Tensor | None = None
-    for step in range(spec.world):
-        src = (spec.rank - step) % spec.world
-        pending = _Exchange(spec, held, tag=0) if step < spec.world - 1 else None
+    pieces, chunks = spec.pieces(), len(spec.chunks(0))
+    size = q.shape[2] // chunks
+    local = [k, v] if mask is None else [k, v, mask]
+    last = spec.world - 1
+    acc: tuple[Tensor, Tensor] | None = None  # (out, lse), made by the first visible pair
+    arrived: list[Tensor] = []
+    for tick in range(len(pieces) * spec.world):
+        index, hops = _phase(tick, spec.world, len(pieces), 1)  # type: ignore[misc]  # never idle
+        held = [_cut(x, pieces[index], size, chunks) for x in local] if hops == 0 else arrived
+        following = _phase(tick + 1, spec.world, len(pieces), 1)
+        coming = [] if following is None or following[1] == 0 else [
+            _cut(x, pieces[following[0]], size, chunks) for x in local]  # shapes of the next piece
+        exchange = _Exchange(spec, held if hops < last else [], coming)
         with _timed("compute_s"):
-            for rows, cols, causal, offset in _pairs(spec, src):
-                plan = block_plan(q, cols.stop - cols.start, causal=causal, scale=spec.scale, offset=offset)
-                o, s = block_forward(plan, q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols],
-                                     _key_mask4(held[2] if mask is not None else None, cols))
-                if out is None or lse is None:
-                    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=o.dtype, device=q.device)  # (B, H, n, Dv)
-                    lse = torch.full(q.shape[:-1], -torch.inf, dtype=s.dtype, device=q.device)  # (B, H, n)
-                out[:, :, rows], lse[:, :, rows] = merge_blocks(out[:, :, rows], lse[:, :, rows], o, s)
-        if pending is not None:
-            held = pending.wait()
-    assert out is not None and lse is not None  # every rank's own diagonal chunk is visible
-    return out, lse
+            acc = _forward_piece(spec, q, (spec.rank - hops) % spec.world, pieces[index], held, acc)
+        arrived = exchange.wait()
+    assert acc is not None  # every rank's own diagonal chunk is visible
+    return acc
+
+
+def _forward_piece(spec: _Spec, q: Tensor, src: int, keys: range, held: list[Tensor],
+                   acc: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor] | None:
+    """Merge this rank's attention over one piece of rank ``src`` into ``acc`` = (out (B, H, n, Dv), lse (B, H, n))."""
+    kp, vp, *mp = held
+    for cols, rows, causal, offset in _blocks(spec, src, keys):
+        plan = block_plan(q, cols.stop - cols.start, causal=causal, scale=spec.scale, offset=offset)
+        o, s = block_forward(plan, q[:, :, rows], kp[:, :, cols], vp[:, :, cols],
+                             _key_mask4(mp[0][:, cols] if mp else None))
+        if acc is None:
+            acc = (torch.zeros(*q.shape[:-1], vp.shape[-1], dtype=o.dtype, device=q.device),  # (B, H, n, Dv)
+                   torch.full(q.shape[:-1], -torch.inf, dtype=s.dtype, device=q.device))  # (B, H, n)
+        merge_into(acc[0][:, :, rows], acc[1][:, :, rows], o, s)
+    return acc
 
 
 def _ring_backward(spec: _Spec, saved: tuple[Tensor, ...], mask: Tensor | None, dout: Tensor
                    ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in the compute dtype; dk and dv travel the ring with their keys and come home."""
+    """(dq, dk, dv) in the compute dtype; key / value gradients travel with their piece and come home."""
     q, k, v, out, lse = saved
     compute = out.dtype
     delta = softmax_delta(dout, out, compute)  # (B, H, n)
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
-    held = [k, v] if mask is None else [k, v, mask]
-    grads: _Exchange | None = None
-    for step in range(spec.world):
-        src = (spec.rank - step) % spec.world
-        pending = _Exchange(spec, held, tag=0) if step < spec.world - 1 else None
-        dk = torch.zeros(k.shape, dtype=compute, device=k.device)  # (B, G, n, D): this rank's share for src
-        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
-        with _timed("compute_s"):
-            for rows, cols, causal, offset in _pairs(spec, src):
-                plan = block_plan(q, cols.stop - cols.start, causal=causal, scale=spec.scale, offset=offset)
-                dq_b, dk_b, dv_b = block_backward(
-                    plan, q[:, :, rows], held[0][:, :, cols], held[1][:, :, cols],
-                    _key_mask4(held[2] if mask is not None else None, cols),
-                    dout[:, :, rows], lse[:, :, rows], delta[:, :, rows])
-                dq[:, :, rows] += dq_b
-                dk[:, :, cols] += dk_b
-                dv[:, :, cols] += dv_b
-        if grads is not None:  # what the ranks before this one added for src
-            before_k, before_v = grads.wait()
-            dk, dv = dk.add_(before_k), dv.add_(before_v)
-        if spec.world == 1:
-            return dq, dk, dv
-        grads = _Exchange(spec, [dk, dv], tag=8)  # on to the next rank; the last step's reach their owner
-        if pending is not None:
-            held = pending.wait()
-    assert grads is not None
-    dk, dv = grads.wait()
+    dk = torch.zeros(k.shape, dtype=compute, device=k.device)  # (B, G, n, D): filled piece by piece at home
+    dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+    pieces, chunks = spec.pieces(), len(spec.chunks(0))
+    size = q.shape[2] // chunks
+    local = [k, v] if mask is None else [k, v, mask]
+    last = spec.world - 1
+
+    def piece_of(index: int, with_keys: bool) -> list[Tensor]:  # this rank's piece: k, v, (mask,) zero dk, dv
+        grads = [torch.zeros_like(_cut(g, pieces[index], size, chunks)) for g in (dk, dv)]
+        return [_cut(x, pieces[index], size, chunks) for x in local] + grads if with_keys else grads
+
+    def home(index: int, grads: list[Tensor]) -> None:  # a piece's gradients after the whole ring
+        for g, got in zip((dk, dv), grads, strict=True):
+            for c, part in enumerate(got.chunk(chunks, dim=2)):  # (B, G, C*L, D) -> (B, G, L, D) each
+                g[:, :, c * size + pieces[index].start:c * size + pieces[index].stop] = part
+
+    done: tuple[int, int, list[Tensor]] | None = None  # computed last tick: sent on (or home) this tick
+    arrived: list[Tensor] = []
+    ticks = _tick(len(pieces) - 1, last, spec.world, 2) + (2 if last else 1)  # + the last trip home
+    for tick in range(ticks):
+        coming = _phase(tick - 1, spec.world, len(pieces), 2) if last else None  # what rank r - 1 computed
+        sent = [] if done is None or not last else done[2] if done[1] < last else done[2][-2:]
+        like = [] if coming is None else piece_of(coming[0], with_keys=coming[1] < last)
+        exchange = _Exchange(spec, sent, like)
+        now = _phase(tick, spec.world, len(pieces), 2)
+        done = None
+        if now is not None:
+            index, hops = now
+            held = piece_of(index, with_keys=True) if hops == 0 else arrived
+            with _timed("compute_s"):
+                _backward_piece(spec, (q, dout, lse, delta, dq), (spec.rank - hops) % spec.world,
+                                pieces[index], held)
+            done = (index, hops, held)
+            if not last:  # one rank: the piece is home after its only computation
+                home(index, held[-2:])
+        received = exchange.wait()
+        if coming is not None and coming[1] < last:
+            arrived = received
+        elif coming is not None:  # rank r - 1 was the piece's last stop: its gradients are this rank's
+            home(coming[0], received)
     return dq, dk, dv
+
+
+def _backward_piece(spec: _Spec, rows_of_q: tuple[Tensor, ...], src: int, keys: range,
+                    held: list[Tensor]) -> None:
+    """Add this rank's share of one piece's gradients: into dq, and into the piece's own dk, dv.
+
+    ``rows_of_q`` = (q, dout, lse, delta, dq) of this rank; ``held`` = the
+    piece's k, v, (key mask,) dk, dv.
+    """
+    q, dout, lse, delta, dq = rows_of_q
+    kp, vp, *mp, dkp, dvp = held
+    for cols, rows, causal, offset in _blocks(spec, src, keys):
+        plan = block_plan(q, cols.stop - cols.start, causal=causal, scale=spec.scale, offset=offset)
+        dq_b, dk_b, dv_b = block_backward(plan, q[:, :, rows], kp[:, :, cols], vp[:, :, cols],
+                                          _key_mask4(mp[0][:, cols] if mp else None),
+                                          dout[:, :, rows], lse[:, :, rows], delta[:, :, rows])
+        dq[:, :, rows] += dq_b
+        dkp[:, :, cols] += dk_b
+        dvp[:, :, cols] += dv_b
 
 
 class _RingFunction(torch.autograd.Function):
