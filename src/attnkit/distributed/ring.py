@@ -134,10 +134,10 @@ def _phase(tick: int, world: int, num_pieces: int, hop_ticks: int) -> tuple[int,
 
 
 class _Exchange:
-    """Tensors sent to the next rank while tensors shaped like ``like`` arrive from the previous one."""
+    """Tensors sent to the next rank while the previous one's arrive in ``received`` (empty buffers)."""
 
-    def __init__(self, spec: _Spec, sent: list[Tensor], like: list[Tensor]) -> None:
-        self.received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like]
+    def __init__(self, spec: _Spec, sent: list[Tensor], received: list[Tensor]) -> None:
+        self.received = received
         nxt, prev = spec.peer(1), spec.peer(-1)
         ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, spec.group, tag) for tag, t in enumerate(sent)]
         ops += [dist.P2POp(dist.irecv, t, prev, spec.group, tag) for tag, t in enumerate(self.received)]
@@ -178,6 +178,12 @@ def _key_mask4(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else mask[:, None, None, :].bool()  # (B, S) -> (B, 1, 1, S)
 
 
+def _buffer(x: Tensor, width: int) -> Tensor:
+    """An empty piece of ``width`` positions: (B, G, n, D) -> (B, G, width, D), (B, n) -> (B, width)."""
+    shape = (*x.shape[:2], width, *x.shape[3:]) if x.dim() == 4 else (x.shape[0], width)
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+
 def _cut(x: Tensor, keys: range, size: int, chunks: int) -> Tensor:
     """Positions ``keys`` of each chunk of a local tensor, along dim 2 (dim 1 for a key mask).
 
@@ -199,9 +205,9 @@ def _ring_forward(spec: _Spec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     for tick in range(len(pieces) * spec.world):
         index, hops = _phase(tick, spec.world, len(pieces), 1)  # type: ignore[misc]  # never idle
         held = [_cut(x, pieces[index], size, chunks) for x in local] if hops == 0 else arrived
-        following = _phase(tick + 1, spec.world, len(pieces), 1)
+        following = _phase(tick + 1, spec.world, len(pieces), 1)  # from rank r - 1, unless it is our own
         coming = [] if following is None or following[1] == 0 else [
-            _cut(x, pieces[following[0]], size, chunks) for x in local]  # shapes of the next piece
+            _buffer(x, chunks * len(pieces[following[0]])) for x in local]
         exchange = _Exchange(spec, held if hops < last else [], coming)
         with _timed("compute_s"):
             acc = _forward_piece(spec, q, (spec.rank - hops) % spec.world, pieces[index], held, acc)
@@ -239,9 +245,13 @@ def _ring_backward(spec: _Spec, saved: tuple[Tensor, ...], mask: Tensor | None, 
     local = [k, v] if mask is None else [k, v, mask]
     last = spec.world - 1
 
-    def piece_of(index: int, with_keys: bool) -> list[Tensor]:  # this rank's piece: k, v, (mask,) zero dk, dv
-        grads = [torch.zeros_like(_cut(g, pieces[index], size, chunks)) for g in (dk, dv)]
-        return [_cut(x, pieces[index], size, chunks) for x in local] + grads if with_keys else grads
+    def own_piece(index: int) -> list[Tensor]:  # k, v, (mask,) and zero dk, dv of one of this rank's pieces
+        width = chunks * len(pieces[index])
+        return [_cut(x, pieces[index], size, chunks) for x in local] + [_buffer(g, width).zero_() for g in (dk, dv)]
+
+    def buffers(index: int, with_keys: bool) -> list[Tensor]:  # where a piece from rank r - 1 arrives
+        width = chunks * len(pieces[index])
+        return [_buffer(x, width) for x in ((*local, dk, dv) if with_keys else (dk, dv))]
 
     def home(index: int, grads: list[Tensor]) -> None:  # a piece's gradients after the whole ring
         for g, got in zip((dk, dv), grads, strict=True):
@@ -254,13 +264,12 @@ def _ring_backward(spec: _Spec, saved: tuple[Tensor, ...], mask: Tensor | None, 
     for tick in range(ticks):
         coming = _phase(tick - 1, spec.world, len(pieces), 2) if last else None  # what rank r - 1 computed
         sent = [] if done is None or not last else done[2] if done[1] < last else done[2][-2:]
-        like = [] if coming is None else piece_of(coming[0], with_keys=coming[1] < last)
-        exchange = _Exchange(spec, sent, like)
+        exchange = _Exchange(spec, sent, [] if coming is None else buffers(coming[0], with_keys=coming[1] < last))
         now = _phase(tick, spec.world, len(pieces), 2)
         done = None
         if now is not None:
             index, hops = now
-            held = piece_of(index, with_keys=True) if hops == 0 else arrived
+            held = own_piece(index) if hops == 0 else arrived
             with _timed("compute_s"):
                 _backward_piece(spec, (q, dout, lse, delta, dq), (spec.rank - hops) % spec.world,
                                 pieces[index], held)
@@ -332,6 +341,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key
         out (B, H, n, Dv): this rank's rows of softmax(q k^T / sqrt(D)) v over
         the whole sequence; a query that sees no key gets 0. Differentiable
         (once) in q, k and v.
+
+    Memory: besides its own tensors, a rank holds two travelling pieces of
+    keys and values (1/8 of a shard each, at least 128 positions of each
+    chunk) in the forward pass, three with their gradients in the backward
+    pass: what one rank holds falls close to 1/P of a single process.
 
     Raises:
         ValueError, on every rank, when the ranks disagree on shapes, dtype,
