@@ -89,3 +89,22 @@ def test_block_backward_of_halves_adds_up_to_the_whole():
     torch.testing.assert_close(halves[0][0] + halves[1][0], whole[0])
     torch.testing.assert_close(torch.cat([halves[0][1], halves[1][1]], dim=2), whole[1])
     torch.testing.assert_close(torch.cat([halves[0][2], halves[1][2]], dim=2), whole[2])
+
+
+def test_merge_into_a_wholly_hidden_block_changes_nothing_and_leaves_it_untouched():
+    """block_forward of keys after every query returns out 0 (a stride-0 tensor) and lse -inf; merging it
+    used to write into it and crash."""
+    q, k, v = (x.detach() for x in _qkv(t=4, s=4))
+    out_b, lse_b = chunked.block_forward(chunked.block_plan(q, 4, causal=True, scale=8**-0.5, offset=-4),
+                                         q, k, v, None)
+    out, lse = chunked.block_forward(chunked.block_plan(q, 4, causal=True, scale=8**-0.5, offset=0), q, k, v, None)
+    expected = out.clone(), lse.clone()
+    chunked.merge_into(out, lse, out_b, lse_b)
+    torch.testing.assert_close((out, lse), expected)
+    torch.testing.assert_close(out_b, torch.zeros_like(out))
+
+
+def test_chunked_backward_of_an_empty_batch():
+    q, k, v = (torch.randn(0, 4, 6, 8, requires_grad=True) for _ in range(3))
+    attention(q, k, v, causal=True, backend="chunked").sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape and k.grad.shape == k.shape

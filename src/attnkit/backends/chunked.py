@@ -163,11 +163,12 @@ def merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 
     ``out`` (..., T, Dv) are softmax-normalised over their own keys and ``lse``
     (..., T) their log-sum-exps, -inf where a query saw no key (its out is 0);
-    afterwards they cover the union of the keys. ``out_b`` is overwritten.
-    In place (views included), so merging many small key blocks allocates nothing of size T * Dv.
+    afterwards they cover the union of the keys; ``out_b`` and ``lse_b`` are
+    not modified. In place (views included), so merging many small key
+    blocks allocates nothing of size T * Dv.
     """
     w, w_b, new = _merge_weights(lse.unsqueeze(-1), lse_b.unsqueeze(-1))  # (..., T, 1) each
-    out.mul_(w).add_(out_b.mul_(w_b))
+    out.mul_(w).addcmul_(out_b, w_b)
     lse.copy_(new.squeeze(-1))
 
 
@@ -261,8 +262,9 @@ def block_backward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tenso
     for rows in plan.blocks(t, plan.block_q):
         qb = _group(q, g, rows, plan.compute) * plan.scale  # (B, G, R*Tb, D), scaled
         dob = _group(dout, g, rows, plan.compute)  # (B, G, R*Tb, Dv)
-        lse_b = lse[:, :, rows.start:rows.stop].reshape(b, g, -1, 1)  # (B, H, Tb) -> (B, G, R*Tb, 1)
-        delta_b = delta[:, :, rows.start:rows.stop].reshape(b, g, -1, 1)
+        rt = (h // g) * len(rows)
+        lse_b = lse[:, :, rows.start:rows.stop].reshape(b, g, rt, 1)  # (B, H, Tb) -> (B, G, R*Tb, 1)
+        delta_b = delta[:, :, rows.start:rows.stop].reshape(b, g, rt, 1)
         dqb: Tensor | None = None
         for cols, visibility, empty in _visible_blocks(plan, rows, k.shape[2], mask5 is not None):
             i = cols.start // plan.block_k
