@@ -20,6 +20,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -250,31 +251,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="The generate benchmark suite (SmolLM2-135M, batch 1).")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--prompt-lens", default="16,512")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--no-memory", action="store_true")
-    args = parser.parse_args()
-    rows = run_generate_suite(dtype=args.dtype, prompt_lens=tuple(int(x) for x in args.prompt_lens.split(",")),
-                              new_tokens=args.new_tokens, repeats=args.repeats,
-                              include_transformers=not args.no_transformers, memory=not args.no_memory, log=print)
-    print(format_rows(rows))
-
-
-if __name__ == "__main__":
-    main()
-
-
 def plot(rows: list[dict[str, Any]], out_dir: Any) -> list[Any]:
     """decode.png: decode tokens/s per contender and prompt length, beside the measured bound."""
-    from pathlib import Path
-
     plt = require("matplotlib.pyplot", "The generate suite's plot")
     gen = [r for r in rows if r["kind"] == "generate"]
     bound = next((r["decode_tokens_per_s"] for r in rows if r["kind"] == "bound"), None)
@@ -298,3 +276,24 @@ def plot(rows: list[dict[str, Any]], out_dir: Any) -> list[Any]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The generate benchmark suite (SmolLM2-135M, batch 1).")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompt-lens", default="16,512")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-memory", action="store_true")
+    args = parser.parse_args()
+    rows = run_generate_suite(dtype=args.dtype, prompt_lens=tuple(int(x) for x in args.prompt_lens.split(",")),
+                              new_tokens=args.new_tokens, repeats=args.repeats,
+                              include_transformers=not args.no_transformers, memory=not args.no_memory, log=print)
+    print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit.backends.chunked import block_backward, block_forward, block_plan, merge_into, softmax_delta
-from attnkit.functional import Visibility, block_visibility
+from attnkit.functional import Visibility, block_visibility, key_padding_to_mask
 
 from .checks import check_agreement, describe
 from .layout import chunk_positions, rank_and_world
@@ -175,7 +175,7 @@ def _blocks(spec: _Spec, src: int, keys: range) -> list[tuple[slice, slice, bool
 
 
 def _key_mask4(mask: Tensor | None) -> Tensor | None:
-    return None if mask is None else mask[:, None, None, :].bool()  # (B, S) -> (B, 1, 1, S)
+    return None if mask is None else key_padding_to_mask(mask.bool())  # (B, S) -> (B, 1, 1, S)
 
 
 def _buffer(x: Tensor, width: int) -> Tensor:

@@ -98,10 +98,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size "
                              f"{q.shape[-1]} and {k.shape[-1]}")
         cos, sin = self._angles_at(offset, q.shape[-2], q.dtype, q.device)  # (T, D) each
-        if k.dtype != q.dtype:
-            cos_k, sin_k = cos.to(k.dtype), sin.to(k.dtype)
-            return _apply(q, cos, sin), _apply(k, cos_k, sin_k)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        return _apply(q, cos, sin), _apply(k, cos.to(k.dtype), sin.to(k.dtype))  # .to is free for the same dtype
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base:g}"
