@@ -108,3 +108,11 @@ def test_chunked_backward_of_an_empty_batch():
     q, k, v = (torch.randn(0, 4, 6, 8, requires_grad=True) for _ in range(3))
     attention(q, k, v, causal=True, backend="chunked").sum().backward()
     assert q.grad is not None and q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_merge_into_refuses_mismatched_shapes_and_leaves_out_as_it_was():
+    out, lse = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match=r"got out \(1, 2, 4, 8\), lse \(1, 2, 4\), out_b \(1, 2, 3, 8\), "
+                                         r"lse_b \(1, 2, 3\)"):
+        chunked.merge_into(out, lse, torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3))
+    assert not out.any() and not lse.any()

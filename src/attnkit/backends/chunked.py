@@ -167,6 +167,10 @@ def merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     not modified. In place (views included), so merging many small key
     blocks allocates nothing of size T * Dv.
     """
+    if out.shape != out_b.shape or lse.shape != lse_b.shape or lse.shape != out.shape[:-1]:
+        raise ValueError(f"merge_into needs out, out_b (..., T, Dv) and lse, lse_b (..., T) of one shape; got out "
+                         f"{tuple(out.shape)}, lse {tuple(lse.shape)}, out_b {tuple(out_b.shape)}, "
+                         f"lse_b {tuple(lse_b.shape)}")
     w, w_b, new = _merge_weights(lse.unsqueeze(-1), lse_b.unsqueeze(-1))  # (..., T, 1) each
     out.mul_(w).addcmul_(out_b, w_b)
     lse.copy_(new.squeeze(-1))
