@@ -26,6 +26,8 @@ def test_zigzag_rank_holds_chunk_r_and_its_mirror():
 def test_a_length_the_layout_cannot_split_names_the_multiple():
     with pytest.raises(ValueError, match=r"length 10 .* over P=4 ranks: it must be a positive multiple of 8 \(2P\)"):
         check_length(10, 4, "zigzag")
+    with pytest.raises(ValueError, match=r"length -8 .* a positive multiple of 4"):
+        check_length(-8, 2, "zigzag")
     with pytest.raises(ValueError, match=r"multiple of 3 \(P\)"):
         check_length(10, 3, "contiguous")
 

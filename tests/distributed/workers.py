@@ -30,7 +30,45 @@ EXACT_CASES = [
 ]
 LAYER_CASES = [(layout, causal, dtype) for layout in LAYOUTS for causal in (False, True)
                for dtype in ("float32", "float64")]
-ERROR_CASES = ["heads", "dtype", "layout", "causal", "length", "bad-key-mask", "odd-zigzag", "shard-length"]
+ERROR_CASES = ["heads", "dtype", "layout", "causal", "length", "bad-key-mask", "odd-zigzag", "shard-length",
+               "grads-on-one-rank", "unshard-lengths", "layer-dropout-on-one-rank", "layer-odd-shard-on-one-rank",
+               "layer-kv-cache", "shard-dim", "not-a-strategy"]
+
+
+def _other_error(kind: str, rank: int) -> tuple[Callable[[], object], str] | None:
+    """(call, message) of the error cases beyond ring_attention's arguments; rank 1 is the odd one."""
+    odd = rank == 1
+    torch.manual_seed(0)
+    layer = attnkit.MultiHeadAttention(16, 16, 4, rope=True, causal=True, dropout=0.1)
+    layer.train(odd)  # dropout in training on rank 1 only
+    parallel = ContextParallel()
+    x = torch.randn(1, 3 if odd and kind == "layer-odd-shard-on-one-rank" else 4, 16)
+    if kind == "grads-on-one-rank":
+        q = torch.randn(1, 2, 4, 8, requires_grad=odd)
+        return (lambda: ring_attention(q, q.detach(), q.detach()),
+                r"ranks disagree on gradients needed: rank 0 has False, rank 1 has True")
+    if kind == "unshard-lengths":
+        part = torch.zeros(2, 6 if odd else 4)
+        return lambda: unshard(part, 1), r"unshard: ranks disagree on shape: rank 0 has \(2, 4\), rank 1 has \(2, 6\)"
+    if kind == "layer-dropout-on-one-rank":
+        return (lambda: layer(x, parallel=parallel),
+                r"context-parallel attention: invalid arguments on rank 1: .*no dropout; got dropout=0.1 in training")
+    if kind == "layer-odd-shard-on-one-rank":
+        layer.eval()
+        return (lambda: layer(x, parallel=parallel),
+                r"invalid arguments on rank 1: a 'zigzag' shard holds 2 equal chunks, so its length n=3 must be even")
+    if kind == "shard-dim":
+        return (lambda: shard(torch.zeros(2, 4), 7),
+                r"shard: dim must be an int in \[-2, 2\) for a 2-d tensor, got dim=7")
+    if kind == "not-a-strategy":
+        with pytest.raises(TypeError, match=r"parallel must be a context-parallel strategy .* got str"):
+            layer(x, parallel="zigzag")  # type: ignore[arg-type]
+        return lambda: shard([1, 2], 0), r"shard takes a torch.Tensor, got list"
+    if kind == "layer-kv-cache":
+        layer.eval()
+        return (lambda: layer(x, parallel=parallel, kv_cache=attnkit.KVCache() if odd else None),
+                r"invalid arguments on rank 1: a context-parallel call takes no kv_cache.*; got kv_cache")
+    return None
 
 
 def case_name(*parts: object) -> str:
@@ -140,9 +178,15 @@ def error_case(kind: str) -> None:
         with pytest.raises(ValueError, match=rf"must be a positive multiple of {2 * world} \(2P\)"):
             shard(torch.zeros(1, 2 * world + 1), 1, layout="zigzag")
         return
-    args, expected = _error_args(kind, rank)
-    with pytest.raises(ValueError, match=expected):
-        ring_attention(**args)
+    other = _other_error(kind, rank)
+    if other is not None:
+        call, expected = other
+        with pytest.raises(ValueError, match=expected):
+            call()
+    else:
+        args, expected = _error_args(kind, rank)
+        with pytest.raises(ValueError, match=expected):
+            ring_attention(**args)
     probe = torch.ones(1)
     dist.all_reduce(probe)
     assert probe.item() == world

@@ -71,11 +71,12 @@ def describe(q: object, k: object, v: object, *, causal: object, key_mask: objec
         "batch size B": b, "query heads H": h, "key/value heads G": g, "shard length n": n, "head dim D": d,
         "value head dim Dv": dv, "dtype": str(q.dtype), "device type": q.device.type, "causal": causal,
         "layout": layout, "key_mask given": key_mask is not None,
+        "gradients needed": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
     }
 
 
 def check_agreement(described: tuple[str | None, Meta], *, rank: int, world: int,
-                    group: dist.ProcessGroup | None) -> Meta:
+                    group: dist.ProcessGroup | None, what: str = "ring_attention") -> Meta:
     """One all-gather of every rank's description; the same ValueError on every rank if any is off."""
     if world == 1:
         gathered: list[Any] = [described]
@@ -84,12 +85,12 @@ def check_agreement(described: tuple[str | None, Meta], *, rank: int, world: int
         dist.all_gather_object(gathered, described, group=group)
     problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(gathered) if p is not None]
     if problems:
-        raise ValueError("ring_attention: invalid arguments on " + "; ".join(problems))
+        raise ValueError(f"{what}: invalid arguments on " + "; ".join(problems))
     first = gathered[0][1]
     for key, value in first.items():
         for r, (_, meta) in enumerate(gathered[1:], start=1):
             if meta[key] != value:
-                raise ValueError(f"ring_attention: ranks disagree on {key}: rank 0 has {value!r}, rank {r} has "
+                raise ValueError(f"{what}: ranks disagree on {key}: rank 0 has {value!r}, rank {r} has "
                                  f"{meta[key]!r} (every rank must pass the same shapes and options, with T / P "
                                  "positions each)")
     return first

@@ -46,7 +46,7 @@ def rank_chunks(rank: int, world: int, layout: str) -> tuple[int, ...]:
 def check_length(length: int, world: int, layout: str, *, what: str = "sequence length") -> int:
     """The chunk length; a clear error when ``length`` does not split evenly."""
     chunks = num_chunks(world, layout)
-    if length % chunks or length == 0:
+    if length % chunks or length <= 0:
         need = "2P" if layout == "zigzag" else "P"
         raise ValueError(f"{what} {length} cannot be split by layout {layout!r} over P={world} ranks: it must be "
                          f"a positive multiple of {chunks} ({need})")
@@ -67,9 +67,20 @@ def shard_positions(length: int, *, layout: str = "zigzag", group: dist.ProcessG
     return torch.cat([torch.arange(r.start, r.stop, device=device) for r in ranges])  # (n,)
 
 
+def _check_tensor_dim(x: object, dim: object, what: str) -> tuple[Tensor, int]:
+    """(x, dim) when x is a tensor and dim one of its dimensions; else a ValueError naming them."""
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{what} takes a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{what}: dim must be an int in [{-x.dim()}, {x.dim()}) for a {x.dim()}-d tensor, "
+                         f"got dim={dim!r}")
+    return x, dim
+
+
 def shard(x: Tensor, dim: int, *, layout: str = "zigzag", group: dist.ProcessGroup | None = None) -> Tensor:
     """This rank's part of the whole tensor ``x`` along ``dim`` (a copy): (..., T, ...) -> (..., n, ...)."""
     rank, world = rank_and_world(group)
+    x, dim = _check_tensor_dim(x, dim, "shard")
     size = check_length(x.shape[dim], world, layout, what=f"length along dim {dim}")
     parts = [x.narrow(dim, c * size, size) for c in rank_chunks(rank, world, layout)]
     return torch.cat(parts, dim=dim)  # (..., n, ...)
@@ -78,12 +89,18 @@ def shard(x: Tensor, dim: int, *, layout: str = "zigzag", group: dist.ProcessGro
 def unshard(x_local: Tensor, dim: int, *, layout: str = "zigzag", group: dist.ProcessGroup | None = None
             ) -> Tensor:
     """The whole tensor from every rank's part (an all-gather; not differentiable): (..., n, ...) -> (..., T, ...)."""
+    from .checks import check_agreement  # checks imports this module
+
     rank, world = rank_and_world(group)
+    x_local, dim = _check_tensor_dim(x_local, dim, "unshard")
     chunks = num_chunks(world, layout)
     per_rank = len(rank_chunks(rank, world, layout))
+    problem = None
     if x_local.shape[dim] % per_rank:
-        raise ValueError(f"a {layout!r} shard holds {per_rank} equal chunks, but its length along dim {dim} is "
-                         f"{x_local.shape[dim]}")
+        problem = (f"a {layout!r} shard holds {per_rank} equal chunks, but its length along dim {dim} is "
+                   f"{x_local.shape[dim]}")
+    facts = {"shape": tuple(x_local.shape), "dtype": str(x_local.dtype)}
+    check_agreement((problem, facts), rank=rank, world=world, group=group, what="unshard")  # same error everywhere
     gathered = [torch.empty_like(x_local) for _ in range(world)]
     dist.all_gather(gathered, x_local.contiguous(), group=group)
     pieces: list[Tensor | None] = [None] * chunks

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .layout import check_layout, rank_and_world, shard, shard_positions, unshard
+from .checks import check_agreement
+from .layout import check_layout, num_chunks, rank_and_world, shard, shard_positions, unshard
 from .ring import ring_attention
 
 
@@ -25,7 +26,11 @@ class ContextParallel:
         x_local = parallel.shard(x, dim=1)              # (B, T, C) -> (B, n, C)
         y_local = layer(x_local, key_mask=parallel.shard(key_mask, dim=1), parallel=parallel)
 
-    The protocol a layer uses (and all it may assume) is two methods:
+    The protocol a layer uses (and all it may assume) is three methods:
+
+    - ``check(problem, n)``: every rank passes what is wrong with its own call
+      (or None) and its shard length; every rank raises the same ValueError
+      if any rank's call is wrong, before any rank starts the ring;
 
     - ``positions(n, device)`` -> int64 (n,): the global positions of this
       rank's n tokens; the layer rotates queries and keys at these positions
@@ -52,6 +57,19 @@ class ContextParallel:
 
     def __repr__(self) -> str:
         return f"ContextParallel(rank={self.rank}, world={self.world}, layout={self.layout!r})"
+
+    def check(self, problem: str | None, local_len: int) -> None:
+        """The same ValueError on every rank when any rank's call is invalid (one small all-gather).
+
+        ``problem``: what is wrong with this rank's call, or None; ``local_len``
+        = n, this rank's shard length, which every rank must share and the
+        layout must split into its chunks.
+        """
+        per_rank = num_chunks(self.world, self.layout) // self.world
+        if problem is None and local_len % per_rank:
+            problem = f"a {self.layout!r} shard holds {per_rank} equal chunks, so its length n={local_len} must be even"
+        check_agreement((problem, {"shard length n": local_len}), rank=self.rank, world=self.world, group=self.group,
+                        what="context-parallel attention")
 
     def positions(self, local_len: int, device: torch.device | str | None = None) -> Tensor:
         """Global positions (n,) of this rank's ``local_len`` = n tokens, int64."""

@@ -25,6 +25,8 @@ class Parallel(Protocol):
     attends its queries to the keys and values of the whole sequence.
     """
 
+    def check(self, problem: str | None, length: int) -> None: ...
+
     def positions(self, length: int, device: torch.device) -> Tensor: ...
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None) -> Tensor: ...
@@ -141,10 +143,18 @@ class MultiHeadAttention(AttentionHeads):
 
     def _parallel(self, x: Tensor, parallel: Parallel, key_mask: Tensor | None, attn_mask: object,
                   kv_cache: object, need_weights: object) -> Tensor:
-        if kv_cache is not None or attn_mask is not None or need_weights is not False or self.window is not None:
-            raise ValueError("a context-parallel call takes no kv_cache, attn_mask, need_weights or window")
-        if self.dropout and self.training:
-            raise ValueError(f"context-parallel attention has no dropout; got dropout={self.dropout} in training")
+        if not all(callable(getattr(parallel, m, None)) for m in ("check", "positions", "attention")):
+            raise TypeError("parallel must be a context-parallel strategy such as "
+                            f"attnkit.distributed.ContextParallel, got {type(parallel).__name__}")
+        given = {"kv_cache": kv_cache is not None, "attn_mask": attn_mask is not None,
+                 "need_weights": need_weights is not False, f"window={self.window}": self.window is not None}
+        problem = None
+        if any(given.values()):
+            problem = "a context-parallel call takes no kv_cache, attn_mask, need_weights or window; got " + \
+                ", ".join(name for name, was_given in given.items() if was_given)
+        elif self.dropout and self.training:
+            problem = f"context-parallel attention has no dropout; got dropout={self.dropout} in training"
+        parallel.check(problem, x.shape[1])  # the same error on every rank, before any communication hangs
         q, k, v = self.project(x)
         if self.rope is not None:
             positions = parallel.positions(x.shape[1], x.device)  # (T,) global positions of this shard
