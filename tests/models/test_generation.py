@@ -151,19 +151,81 @@ def test_top_k_1_and_tiny_top_p_are_greedy(tiny32: Any, options: dict[str, Any])
     assert torch.equal(sampled, greedy)
 
 
+def _draws(sampler: Sampler, logits: torch.Tensor, n: int = 300) -> set[int]:
+    """The tokens ``sampler`` picks for one row of logits over n steps of one seed."""
+    steps = torch.arange(n)
+    return set(sampler(logits.expand(n, -1), torch.zeros(n, dtype=torch.long), steps).tolist())
+
+
 def test_sampler_top_p_keeps_the_smallest_set_reaching_p() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    sampler = Sampler(1.0, None, 0.75)
-    g = torch.Generator().manual_seed(0)
-    seen = {int(sampler(probs.log(), g)) for _ in range(300)}
-    assert seen == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3: tokens 0 and 1 only
+    assert _draws(Sampler(1.0, None, 0.75), probs.log()) == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
 
 
 def test_sampler_top_k_keeps_k_tokens() -> None:
     logits = torch.tensor([[3.0, 2.9, 2.8, -5.0, 2.7]])
-    g = torch.Generator().manual_seed(0)
-    seen = {int(Sampler(1.0, 3, None)(logits, g)) for _ in range(300)}
-    assert seen == {0, 1, 2}
+    assert _draws(Sampler(1.0, 3, None), logits) == {0, 1, 2}
+
+
+def test_sampler_frequencies_match_the_distribution() -> None:
+    """Inverse-CDF sampling from hashed uniforms: a biased or off-by-one search would shift these."""
+    probs = torch.tensor([0.0, 0.1, 0.2, 0.0, 0.7], dtype=torch.float64)
+    n = 20000
+    ids = Sampler(1.0)(probs.log().expand(n, -1), torch.full((n,), 5), torch.arange(n))
+    freq = torch.bincount(ids, minlength=5).double() / n
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+    assert freq[0] == 0 and freq[3] == 0  # a zero-probability token is never drawn
+
+
+def test_uniforms_are_uniform_and_differ_by_seed_and_step() -> None:
+    from attnkit.models.sampling import uniform
+
+    u = uniform(torch.full((50000,), 123), torch.arange(50000))
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    torch.testing.assert_close(torch.histc(u.float(), 10, 0, 1) / 50000, torch.full((10,), 0.1), atol=0.01, rtol=0)
+    by_seed = uniform(torch.arange(50000), torch.zeros(50000, dtype=torch.long))
+    assert by_seed.unique().numel() == 50000
+
+
+def test_a_seeded_row_samples_the_same_alone_or_in_any_batch(tiny32: Any) -> None:
+    """The batch shared one torch.Generator: a row's tokens depended on which rows came before it."""
+    texts = ["the sin", "a", "the the a sin in"]
+    batch = tiny32.tokenize(texts)
+    width = batch["input_ids"].shape[1]
+    options = dict(max_new_tokens=8, temperature=3.0, stop_ids=[])
+    together = tiny32.generate(batch["input_ids"], batch["attention_mask"], seed=[11, 12, 13], **options)
+    reordered = tiny32.generate(batch["input_ids"].flip(0), batch["attention_mask"].flip(0), seed=[13, 12, 11],
+                                **options)
+    assert torch.equal(together[:, width:], reordered[:, width:].flip(0))
+    for row, text in enumerate(texts):
+        ids = tiny32.tokenize(text)["input_ids"]
+        alone = tiny32.generate(ids, seed=11 + row, **options)
+        assert together[row, width:].tolist() == alone[0, ids.shape[1]:].tolist(), text
+    # an int seed s gives row r the seed s + r
+    assert torch.equal(tiny32.generate(batch["input_ids"], batch["attention_mask"], seed=11, **options), together)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**62, [1, 2], "3", 1.5])
+def test_bad_seeds_are_named(tiny32: Any, seed: Any) -> None:
+    ids = tiny32.tokenize("the")["input_ids"]
+    with pytest.raises(ValueError, match="seed must be"):
+        tiny32.generate(ids, max_new_tokens=1, temperature=1.0, seed=seed)
+
+
+def test_stream_decodes_a_window_not_the_whole_answer_each_token(tiny32: Any) -> None:
+    """Streaming decoded every id again at every token: quadratic in the answer's length."""
+    from attnkit.models.generation import _pieces
+
+    ids = tiny32.tokenize("the sin a in " * 5)["input_ids"][0]
+    decoded = []
+
+    def decode(window: list[int]) -> str:
+        decoded.append(len(window))
+        return tiny32.decode(window)
+
+    pieces = list(_pieces(iter([t.view(1) for t in ids]), decode))
+    assert "".join(pieces) == tiny32.decode(ids)
+    assert max(decoded) <= 4 and sum(decoded) <= 6 * len(ids)
 
 
 def test_stream_yields_the_generated_text(tiny32: Any) -> None:
@@ -212,7 +274,8 @@ def test_bad_options_are_named(tiny32: Any, options: dict[str, Any], message: st
     (torch.tensor([[5, 6]]), torch.ones(1, 2), "dtype torch.float32"),
     (torch.tensor([[5, 6]]), torch.tensor([[1, 0]]), "left-padded"),
     (torch.tensor([[5, 6]]), torch.tensor([[0, 0]]), "no real token"),
-    (torch.tensor([[5, 6]]), torch.tensor([[2, 1]]), "only 0 and 1"),
+    (torch.tensor([[5, 6]]), torch.tensor([[2, 1]]), "only 0 and 1, got 2 at"),
+    (torch.tensor([[5, 6]]), torch.tensor([[-1, 1]]), "only 0 and 1, got -1 at"),
 ])
 def test_bad_prompts_are_named(tiny32: Any, ids: torch.Tensor, mask: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):

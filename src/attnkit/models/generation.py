@@ -9,7 +9,8 @@ position after appending ``input_ids`` to the caches. The loop then
    the context),
 2. prefills: one forward over the whole prompt fills the caches,
 3. decodes: one token per step, greedy (temperature 0) or sampled with
-   temperature, top-k and top-p from a seeded ``torch.Generator``,
+   temperature, top-k and top-p, each row from its own seed (see
+   :mod:`attnkit.models.sampling`: a row samples the same alone or in a batch),
 4. stops a row at a stop id (later tokens of that row are the pad id) and
    the whole batch when every row has stopped.
 
@@ -32,6 +33,8 @@ import torch
 from torch import Tensor
 
 from attnkit.modules import KVCache
+
+from .sampling import Sampler, row_seeds
 
 
 class CausalLM(Protocol):
@@ -74,43 +77,6 @@ class GenerationStats:
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class Sampler:
-    """Greedy when temperature is 0, else temperature, then top-k, then top-p (nucleus) sampling."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def __post_init__(self) -> None:
-        t, k, p = self.temperature, self.top_k, self.top_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got temperature={t!r}")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got top_k={k!r}")
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
-            raise ValueError(f"top_p must lie in (0, 1] or be None, got top_p={p!r}")
-
-    def __call__(self, logits: Tensor, generator: torch.Generator) -> Tensor:
-        """Next token ids (B,) from logits (B, V)."""
-        if self.temperature == 0:
-            return logits.argmax(dim=-1)  # (B, V) -> (B,)
-        # from the row maximum, in float64: a tiny temperature gives -huge, never inf - inf = nan
-        scores = (logits.double() - logits.amax(dim=-1, keepdim=True).double()) / self.temperature  # (B, V)
-        if self.top_k is not None and self.top_k < scores.shape[-1]:
-            kth = scores.topk(self.top_k, dim=-1).values[:, -1:]  # (B, V) -> (B, 1)
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1:
-            sorted_scores, order = scores.sort(dim=-1, descending=True)  # (B, V)
-            sorted_probs = sorted_scores.softmax(dim=-1)  # (B, V)
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
-            drop_sorted = before >= self.top_p  # keep the smallest prefix whose mass reaches top_p
-            drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-            scores = scores.masked_fill(drop, float("-inf"))
-        probs = scores.softmax(dim=-1)  # (B, V)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B, 1) -> (B,)
-
-
 def check_input_ids(model: CausalLM, input_ids: object) -> Tensor:
     """input_ids must be a non-empty (B, T) long tensor of ids in the vocabulary."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -125,6 +91,20 @@ def check_input_ids(model: CausalLM, input_ids: object) -> Tensor:
     return input_ids
 
 
+def mask_to_bool(attention_mask: Tensor) -> Tensor:
+    """A bool or integer attention mask as bool; integers must be 0 (padding) or 1 (real token)."""
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+        raise ValueError(f"attention_mask must be bool or integer (1 = real token, 0 = padding), "
+                         f"got dtype {attention_mask.dtype}")
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    bad = ((attention_mask != 0) & (attention_mask != 1)).nonzero()
+    if len(bad):
+        where = tuple(int(i) for i in bad[0])
+        raise ValueError(f"attention_mask must hold only 0 and 1, got {int(attention_mask[where])} at {where}")
+    return attention_mask.bool()
+
+
 def check_prompt_mask(input_ids: Tensor, attention_mask: object) -> Tensor | None:
     """attention_mask (B, T) bool or 0/1 integers, left-padded -> bool (B, T), or None if all real."""
     if attention_mask is None:
@@ -132,12 +112,7 @@ def check_prompt_mask(input_ids: Tensor, attention_mask: object) -> Tensor | Non
     if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
         got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
-    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-        raise ValueError(f"attention_mask must be bool or integer (1 = real token, 0 = padding), "
-                         f"got dtype {attention_mask.dtype}")
-    if attention_mask.dtype != torch.bool and not ((attention_mask == 0) | (attention_mask == 1)).all():
-        raise ValueError("attention_mask must hold only 0 and 1")
-    mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+    mask = mask_to_bool(attention_mask).to(input_ids.device)
     empty = (~mask.any(dim=1)).nonzero()
     if len(empty):
         raise ValueError(f"row {int(empty[0])} of attention_mask has no real token: its prompt is empty")
@@ -166,8 +141,8 @@ def _check_budget(model: CausalLM, prompt_len: int, max_new_tokens: object,
 
 def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None = None, *,
                    max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                   top_p: float | None = None, seed: int | None = None, stop_ids: Sequence[int] | None = None,
-                   stats: GenerationStats | None = None) -> Iterator[Tensor]:
+                   top_p: float | None = None, seed: int | Sequence[int] | None = None,
+                   stop_ids: Sequence[int] | None = None, stats: GenerationStats | None = None) -> Iterator[Tensor]:
     """Yield the next tokens (B,) one step at a time; stopped rows yield the pad id.
 
     Arguments as :func:`generate`. Inputs are checked before the first token.
@@ -176,17 +151,13 @@ def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | 
     ids = check_input_ids(model, input_ids)
     mask = check_prompt_mask(ids, attention_mask)
     stops = _check_budget(model, ids.shape[1], max_new_tokens, stop_ids)
-    return _steps(model, ids, mask, max_new_tokens, sampler, seed, stops, stats or GenerationStats())
+    seeds = row_seeds(seed, ids.shape[0], ids.device)
+    return _steps(model, ids, mask, max_new_tokens, sampler, seeds, stops, stats or GenerationStats())
 
 
 def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, max_new_tokens: int, sampler: Sampler,
-           seed: int | None, stops: tuple[int, ...], stats: GenerationStats) -> Iterator[Tensor]:
+           seeds: Tensor, stops: tuple[int, ...], stats: GenerationStats) -> Iterator[Tensor]:
     b, t = ids.shape
-    generator = torch.Generator(device=ids.device)
-    if seed is None:
-        generator.seed()  # a fresh random seed
-    else:
-        generator.manual_seed(seed)
     stop_tensor = torch.tensor(stops, dtype=torch.long, device=ids.device)  # (n_stops,)
     caches = model.new_caches(t + max_new_tokens)
     full_mask = None if mask is None else torch.cat(  # (B, T) -> (B, T + N), new tokens are real
@@ -202,7 +173,7 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, max_new_tokens: in
             if n > 0:
                 key_mask = None if full_mask is None else full_mask[:, : t + n]  # (B, S) view, no copy
                 logits = model.step(token[:, None], key_mask, caches)  # (B, 1) -> (B, V)
-            token = sampler(logits, generator)  # (B, V) -> (B,)
+            token = sampler(logits, seeds, torch.full_like(seeds, n))  # (B, V) -> (B,)
             token = token.masked_fill(done, model.pad_token_id)
             done = done | torch.isin(token, stop_tensor)
         now = time.perf_counter()
@@ -218,7 +189,7 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, max_new_tokens: in
 
 def generate(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None = None, *,
              max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, stop_ids: Sequence[int] | None = None,
+             top_p: float | None = None, seed: int | Sequence[int] | None = None, stop_ids: Sequence[int] | None = None,
              stats: GenerationStats | None = None) -> Tensor:
     """Prompt plus new tokens, (B, T + n) long, n <= max_new_tokens.
 
@@ -229,7 +200,9 @@ def generate(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None =
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
         top_k, top_p: keep only the k most likely tokens / the smallest set
             with probability >= top_p before sampling.
-        seed: seeds the sampling generator (same seed, same tokens).
+        seed: an int (row r samples with seed + r), one int per row, or None
+            (fresh seeds). A row's tokens depend only on its prompt and seed,
+            never on the other rows of the batch.
         stop_ids: ids that end a row (kept in the output, then pad ids);
             None = the model's end-of-turn / end-of-text ids, [] = never stop early.
         stats: filled with token counts and timings.
@@ -255,15 +228,21 @@ def stream_text(model: CausalLM, decode: Callable[[list[int]], str], input_ids: 
 
 
 def _pieces(steps: Iterator[Tensor], decode: Callable[[list[int]], str]) -> Iterator[str]:
-    new_ids: list[int] = []
-    shown = 0
+    """New text per token, decoding only a short window of ids each time (linear in the answer's length).
+
+    The window starts at the tokens of the last piece shown, so a decoder that
+    drops a leading space at the start of a text still sees what precedes the
+    new tokens; a piece is held back while it ends in an incomplete character.
+    """
+    ids: list[int] = []
+    start = shown = 0  # ids[start:shown] were last shown; ids[shown:] are not yet
     for token in steps:
-        new_ids.append(int(token[0]))
-        text = decode(new_ids)
-        if text.endswith("\ufffd") or len(text) <= shown:  # an incomplete character, or nothing new
+        ids.append(int(token[0]))
+        before, after = decode(ids[start:shown]), decode(ids[start:])
+        if after.endswith("\ufffd") or len(after) <= len(before):  # an incomplete character, or nothing new
             continue
-        yield text[shown:]
-        shown = len(text)
-    text = decode(new_ids)
-    if len(text) > shown:
-        yield text[shown:]
+        yield after[len(before):]
+        start, shown = shown, len(ids)
+    before, after = decode(ids[start:shown]), decode(ids[start:])
+    if len(after) > len(before):
+        yield after[len(before):]
