@@ -47,11 +47,11 @@ def test_loader_puts_unpermuted_q_k_v_into_fused_qkv(tiny: tuple[Path, dict[str,
         expected = np.concatenate([weights[f"blk.{i}.attn_{n}.weight"] for n in "qkv"])
         torch.testing.assert_close(model.layers[i].attention.qkv_proj.weight, torch.from_numpy(expected))
         gate_up = np.concatenate([weights[f"blk.{i}.ffn_gate.weight"], weights[f"blk.{i}.ffn_up.weight"]])
-        torch.testing.assert_close(model.layers[i].mlp.gate_up_t.t(), torch.from_numpy(gate_up))
+        torch.testing.assert_close(model.layers[i].mlp.gate_up_proj.weight, torch.from_numpy(gate_up))
         torch.testing.assert_close(model.layers[i].attention.out_proj.weight,
                                    torch.from_numpy(weights[f"blk.{i}.attn_output.weight"]))
     torch.testing.assert_close(model.embed.weight, torch.from_numpy(weights["token_embd.weight"]))
-    assert model.lm_head is None  # no output.weight in the file: the head is tied
+    assert model.lm_head.weight is model.embed.weight  # no output.weight in the file: the head is tied
     assert not model.training
 
 

@@ -33,7 +33,7 @@ def test_bad_configuration(kwargs, error, message):
     (lambda m: m(torch.randn(2, 5, 8)), ValueError, r"x must be a \(B, T, d_in=16\) tensor"),
     (lambda m: m(torch.randn(2, 0, 16)), ValueError, r"T >= 1, got \(2, 0, 16\)"),
     (lambda m: m(torch.randn(2, 5, 16, dtype=torch.float64)), ValueError,
-     r"x is torch.float64 on cpu but the layer's weights are torch.float32 on cpu"),
+     r"x is torch.float64 on cpu but the layer computes in torch.float32 on cpu"),
     (lambda m: m(torch.randn(2, 5, 16), key_mask=torch.ones(2, 5)), ValueError,
      r"key_mask must be a bool \(B, S\) = \(2, 5\) tensor, True = real token"),
     (lambda m: m(torch.randn(2, 5, 16), key_mask=torch.ones(2, 4, dtype=torch.bool)), ValueError,
@@ -56,7 +56,7 @@ def test_bad_context():
         cross(torch.randn(2, 5, 16), torch.randn(2, 3, 16))
     with pytest.raises(ValueError, match=r"context has batch size 3 but x has 2"):
         cross(torch.randn(2, 5, 16), torch.randn(3, 3, 8))
-    with pytest.raises(ValueError, match=r"context is torch.float64 on cpu but the layer's weights are torch.float32"):
+    with pytest.raises(ValueError, match=r"context is torch.float64 on cpu but the layer computes in torch.float32"):
         cross(torch.randn(2, 5, 16), torch.randn(2, 3, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"d_context must be a positive int, got d_context=0"):
         CrossAttention(16, 16, 4, d_context=0)

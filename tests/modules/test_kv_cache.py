@@ -84,7 +84,7 @@ def test_mismatched_sequences_and_reset():
     cache.reset()
     assert len(cache) == 0 and cache.keys is None
     assert layer(torch.randn(3, 2, 8), kv_cache=cache).shape == (3, 2, 8)
-    with pytest.raises(TypeError, match=r"kv_cache must be an attnkit.KVCache, got dict"):
+    with pytest.raises(TypeError, match=r"kv_cache must implement the cache protocol .*dict lacks next_positions"):
         layer(torch.randn(3, 1, 8), kv_cache={})
 
 
@@ -115,3 +115,165 @@ def test_crop_rewinds_to_an_earlier_position():
     torch.testing.assert_close(layer(x[:, 4:5], kv_cache=cache), first)
     with pytest.raises(ValueError, match=r"crop length must be an int in \[0, 5\], got 9"):
         cache.crop(9)
+
+
+# --- explicit positions and the cache protocol ---------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from attnkit.modules.kv_cache import CachedKeys, StaticKVCache  # noqa: E402
+
+
+def _layer(window=None, kv_heads=2, causal=True):
+    torch.manual_seed(0)
+    return MultiHeadAttention(16, 16, 4, num_kv_heads=kv_heads, rope=True, window=window,
+                              causal=causal).double().eval()
+
+
+@pytest.mark.parametrize("make_cache", [lambda: KVCache(), lambda: KVCache(capacity=20), lambda: StaticKVCache(20)],
+                         ids=["growing", "capacity", "static"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_every_cache_equals_the_full_forward_float64(make_cache, window):
+    layer = _layer(window)
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    full = layer(x)
+    for steps in ([5, 1, 1, 1, 1, 1, 1, 1], [4, 3, 5]):
+        cache, outs, start = make_cache(), [], 0
+        with torch.no_grad():
+            for size in steps:
+                outs.append(layer(x[:, start : start + size], kv_cache=cache))
+                start += size
+        torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("make_cache", [KVCache, lambda: StaticKVCache(32)], ids=["growing", "static"])
+def test_rows_at_different_positions_each_get_what_they_get_alone(make_cache):
+    """One rotary offset (len(cache)) was shared by every row: rows could only sit at the same positions."""
+    layer = _layer(window=4)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    starts = torch.tensor([0, 9])
+    positions = starts[:, None] + torch.arange(5)  # row 0 at 0..4, row 1 at 9..13
+    prefix = torch.randn(1, 9, 16, dtype=torch.float64)  # what row 1's cache holds before
+    with torch.no_grad():
+        alone0 = layer(x[:1])
+        alone1_cache = make_cache()
+        layer(prefix, kv_cache=alone1_cache)
+        alone1 = layer(x[1:], kv_cache=alone1_cache)
+        # together: row 0's cache holds nothing, row 1's 9 positions (row 0's 9 slots are padding, -1)
+        cache = make_cache()
+        pad = torch.cat([torch.zeros(1, 9, 16, dtype=torch.float64), prefix])  # (2, 9, 16)
+        held = torch.stack([torch.full((9,), -1), torch.arange(9)])
+        layer(pad, positions=held, kv_cache=cache)
+        together = layer(x, positions=positions, kv_cache=cache)
+    torch.testing.assert_close(together[0], alone0[0], atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(together[1], alone1[0], atol=1e-9, rtol=1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shift=st.integers(0, 50), length=st.integers(1, 6), window=st.sampled_from([None, 2]))
+def test_a_shifted_row_without_cache_equals_the_unshifted_one(shift, length, window):
+    """Rotary scores depend on relative positions only; the band follows the positions."""
+    layer = _layer(window)
+    x = torch.randn(1, length, 16, dtype=torch.float64)
+    positions = shift + torch.arange(length)[None]
+    torch.testing.assert_close(layer(x, positions=positions), layer(x), atol=1e-9, rtol=1e-9)
+
+
+def test_omitted_positions_keep_todays_meaning():
+    layer = _layer()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    explicit = layer(x, positions=torch.arange(7).expand(2, 7))
+    torch.testing.assert_close(explicit, layer(x), atol=1e-12, rtol=1e-12)
+    cache = KVCache()
+    layer(x[:, :3], kv_cache=cache)
+    torch.testing.assert_close(layer(x[:, 3:], kv_cache=cache), layer(x)[:, 3:], atol=1e-12, rtol=1e-12)
+    assert cache.positions is None  # the fast path: slots are positions
+
+
+class _Wrapped:
+    """A cache of our own that implements the protocol by delegating: the layer needs nothing else."""
+
+    def __init__(self):
+        self.inner, self.calls = KVCache(), 0
+
+    def next_positions(self, batch, length, device):
+        return self.inner.next_positions(batch, length, device)
+
+    def update(self, k, v, positions):
+        self.calls += 1
+        return self.inner.update(k, v, positions)
+
+    def claim(self, owner):
+        return self.inner.claim(owner)
+
+    def restore(self, checkpoint):
+        self.inner.restore(checkpoint)
+
+
+def test_any_object_with_the_protocol_is_a_cache():
+    layer = _layer()
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    cache = _Wrapped()
+    out = torch.cat([layer(x[:, :4], kv_cache=cache), layer(x[:, 4:], kv_cache=cache)], 1)
+    torch.testing.assert_close(out, layer(x), atol=1e-12, rtol=1e-12)
+    assert cache.calls == 2
+
+
+@pytest.mark.parametrize(("positions", "message"), [
+    (torch.arange(4.0)[None], r"torch.long \(B, T\) = \(1, 4\)"),
+    (torch.arange(3)[None], r"\(B, T\) = \(1, 4\)"),
+    (torch.tensor([[0, 1, -2, 3]]), r"must be >= 0 \(or -1 to mark padding\), got -2"),
+    (torch.tensor([[0, 2, 1, 3]]), "must not decrease within a row: row 0 goes from 2 to 1"),
+    (torch.tensor([[0, 2, -1, 1]]), "must not decrease within a row: row 0 goes from 2 to 1"),
+])
+def test_bad_positions_are_named(positions, message):
+    with pytest.raises(ValueError, match=message):
+        _layer()(torch.randn(1, 4, 16, dtype=torch.float64), positions=positions)
+
+
+@pytest.mark.parametrize("make_cache", [KVCache, lambda: StaticKVCache(16)], ids=["growing", "static"])
+def test_positions_a_cache_already_holds_are_refused(make_cache):
+    layer, cache = _layer(), make_cache()
+    with torch.no_grad():
+        layer(torch.randn(1, 4, 16, dtype=torch.float64), kv_cache=cache)
+        with pytest.raises(ValueError, match=r"positions repeat what the cache holds.* up to 3 .* starts at 2"):
+            layer(torch.randn(1, 1, 16, dtype=torch.float64), kv_cache=cache, positions=torch.tensor([[2]]))
+        out = layer(torch.randn(1, 1, 16, dtype=torch.float64), kv_cache=cache, positions=torch.tensor([[4]]))
+    assert out.shape == (1, 1, 16)
+
+
+def test_static_cache_refuses_positions_past_capacity_and_gradients():
+    layer, cache = _layer(), StaticKVCache(4)
+    with torch.no_grad(), pytest.raises(ValueError, match="StaticKVCache capacity 4 exceeded: position 5"):
+        layer(torch.randn(1, 6, 16, dtype=torch.float64), kv_cache=cache)
+    assert cache.positions is None  # the failed call allocated nothing that stays
+    with pytest.raises(ValueError, match="StaticKVCache is for inference"):
+        layer(torch.randn(1, 2, 16, dtype=torch.float64), kv_cache=cache)
+
+
+def test_a_failing_call_leaves_a_static_cache_as_it_was():
+    layer, cache = _layer(), StaticKVCache(8)
+    with torch.no_grad():
+        layer(torch.randn(1, 3, 16, dtype=torch.float64), kv_cache=cache)
+        before = cache.positions.clone()
+        with pytest.raises(ValueError):
+            layer(torch.randn(1, 2, 16, dtype=torch.float64), kv_cache=cache, key_mask=torch.ones(1, 2))
+    assert torch.equal(cache.positions, before)
+
+
+def test_padding_positions_are_never_seen_and_attend_to_nothing():
+    layer = _layer()
+    x = torch.randn(1, 5, 16, dtype=torch.float64)
+    padded = torch.cat([x[:, :2], torch.randn(1, 2, 16, dtype=torch.float64), x[:, 2:]], 1)  # 2 pads inside
+    out = layer(padded, positions=torch.tensor([[0, 1, -1, -1, 2, 3, 4]]))
+    torch.testing.assert_close(out[:, [0, 1, 4, 5, 6]], layer(x), atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(out[:, 2:4], layer.out_proj(torch.zeros(1, 2, 16, dtype=torch.float64)))
+
+
+def test_cached_keys_is_what_update_returns():
+    cache = KVCache()
+    keys = cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), None)
+    assert isinstance(keys, CachedKeys) and keys.positions is None and keys.k.shape == (1, 2, 3, 4)
+    keys = cache.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[7]]))
+    assert keys.positions.tolist() == [[0, 1, 2, 7]]

@@ -59,7 +59,7 @@ def test_one_kv_cache_passed_to_two_layers_is_refused():
     cache = KVCache()
     x = torch.randn(1, 4, 8, dtype=torch.float64)
     first(x, kv_cache=cache)
-    with pytest.raises(ValueError, match=r"already holds the keys of another layer .* one KVCache per layer"):
+    with pytest.raises(ValueError, match=r"already holds the keys of another layer; .* one KVCache per layer"):
         second(x, kv_cache=cache)
     assert len(cache) == 4  # before the fix: 8, and the second layer attended to the first's keys
     first(x[:, :1], kv_cache=cache)  # its own layer may go on

@@ -7,6 +7,7 @@ from .masks import (
     block_visibility,
     combine_masks,
     key_padding_to_mask,
+    position_mask,
     visible_band,
 )
 from .rope import RotaryEmbedding, rotate_half
@@ -19,6 +20,7 @@ __all__ = [
     "combine_masks",
     "expand_kv",
     "key_padding_to_mask",
+    "position_mask",
     "rotate_half",
     "visible_band",
 ]

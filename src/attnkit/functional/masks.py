@@ -97,3 +97,22 @@ def combine_masks(first: Tensor | None, second: Tensor | None) -> Tensor | None:
     if second.dtype == torch.bool:
         return torch.where(second, first, torch.tensor(-torch.inf, dtype=first.dtype, device=first.device))
     return first + second
+
+
+def position_mask(q_positions: Tensor, k_positions: Tensor, *, causal: bool, window: int | None) -> Tensor:
+    """Which key each query may see, from their positions: bool (B, 1, T, S), True = may attend.
+
+    ``q_positions`` (B, T) and ``k_positions`` (B, S) are long; a key at
+    position -1 is an empty slot that no query sees. With ``causal`` a query
+    at position p sees keys at positions <= p, and with ``window`` only those
+    > p - window: the band of :func:`visible_band`, aligned by positions
+    instead of by index, so rows at different positions each get their own.
+    """
+    q = q_positions[:, :, None]  # (B, T) -> (B, T, 1)
+    k = k_positions[:, None, :]  # (B, S) -> (B, 1, S)
+    visible = k >= 0  # (B, 1, S)
+    if causal:
+        visible = visible & (k <= q)  # (B, T, S)
+    if window is not None:
+        visible = visible & (k > q - window)
+    return visible.expand(-1, q.shape[1], -1)[:, None]  # (B, T, S) -> (B, 1, T, S)

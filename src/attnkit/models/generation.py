@@ -1,23 +1,25 @@
 """The one generation loop, shared by every decoder model.
 
 A model it can drive (see :class:`CausalLM`) gives its vocabulary size,
-context length, pad and stop ids, one :class:`attnkit.KVCache` per attention
-layer, and ``step(input_ids, key_mask, kv_caches)``: the logits of the last
-position after appending ``input_ids`` to the caches. The loop then
+context length, pad and stop ids, one KV cache per attention layer, and
+``step(input_ids, positions, kv_caches)``: the logits of the last position
+after storing ``input_ids`` in the caches. The loop then
 
 1. checks the prompt once (ids in the vocabulary, a left-padded mask, room in
    the context),
 2. prefills: one forward over the whole prompt fills the caches,
-3. decodes: one token per step, greedy (temperature 0) or sampled with
-   temperature, top-k and top-p, each row from its own seed (see
-   :mod:`attnkit.models.sampling`: a row samples the same alone or in a batch),
+3. decodes: one token per row per step (:func:`decode_step`), greedy
+   (temperature 0) or sampled with temperature, top-k and top-p, each row
+   from its own seed (:mod:`attnkit.models.sampling`),
 4. stops a row at a stop id (later tokens of that row are the pad id) and
    the whole batch when every row has stopped.
 
-Left padding and rotary embedding: every row is rotated at the same
-positions, so a padded row's real tokens sit further right than they would
-alone. Rotary scores depend only on relative positions, so each row gets what
-it would alone, up to rounding.
+Padding: a left-padded row's padding gets position -1 (a key nobody sees)
+and its real tokens positions 0, 1, ..., so each row computes exactly what
+it computes alone. :func:`decode_step` has no host synchronisation: with
+``compile=True`` it runs as one ``torch.compile(fullgraph=True)`` graph over
+static caches (:class:`attnkit.modules.StaticKVCache`); timing and the stop
+check live in the loop around it.
 
 Legend: B batch, T prompt tokens, S positions in the caches, V vocabulary.
 """
@@ -25,14 +27,14 @@ Legend: B batch, T prompt tokens, S positions in the caches, V vocabulary.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from attnkit.modules import KVCache
+from attnkit.modules.kv_cache import Cache
 
 from .sampling import Sampler, row_seeds
 
@@ -45,16 +47,61 @@ class CausalLM(Protocol):
     pad_token_id: int
     stop_token_ids: tuple[int, ...]
 
-    def new_caches(self, capacity: int) -> list[KVCache]:
+    def new_caches(self, capacity: int | None = None, *, static: bool = False) -> list[Cache]:
         """One empty KV cache per attention layer, each for up to ``capacity`` positions."""
         ...
 
-    def step(self, input_ids: Tensor, key_mask: Tensor | None, kv_caches: list[KVCache]) -> Tensor:
-        """Logits (B, V) of the last position after appending input_ids (B, T) to the caches.
+    def step(self, input_ids: Tensor, positions: Tensor | None, kv_caches: Sequence[Cache]) -> Tensor:
+        """Logits (B, V) of the last position after storing input_ids (B, T) at ``positions`` (B, T).
 
-        ``key_mask`` (B, S) bool, True = real token, covers cached and new positions; None = all real.
+        ``positions`` None: after what the caches hold. Position -1 marks padding.
         """
         ...
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How to generate: every keyword of :func:`generate`, checked once.
+
+    Args:
+        max_new_tokens: the most tokens to add (>= 1); prompt + these must fit the context.
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        top_k, top_p: keep only the k most likely tokens / the smallest set
+            with probability >= top_p before sampling.
+        seed: an int (row r samples with seed + r), one int per row, or None
+            (fresh seeds). A row's tokens depend only on its prompt and seed,
+            never on the other rows of the batch.
+        stop_ids: ids that end a row (kept in the output, then pad ids);
+            None = the model's end-of-turn / end-of-text ids, [] = never stop early.
+        compile: run each decoding step as one compiled graph over static
+            caches (the first call compiles: seconds; later ones reuse it).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | Sequence[int] | None = None
+    stop_ids: Sequence[int] | None = None
+    compile: bool = False
+    sampler: Sampler = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got max_new_tokens={n!r}")
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be a bool, got compile={self.compile!r}")
+        object.__setattr__(self, "sampler", Sampler(self.temperature, self.top_k, self.top_p))
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> GenerationOptions:
+        """Options from keywords; an unknown keyword is named with the known ones."""
+        known = [name for name in cls.__dataclass_fields__ if name != "sampler"]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unknown generation option {unknown[0]!r}; known: {', '.join(known)}")
+        return cls(**options)
 
 
 @dataclass
@@ -121,10 +168,8 @@ def check_prompt_mask(input_ids: Tensor, attention_mask: object) -> Tensor | Non
     return None if bool(mask.all()) else mask
 
 
-def _check_budget(model: CausalLM, prompt_len: int, max_new_tokens: object,
-                  stop_ids: Sequence[int] | None) -> tuple[int, ...]:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got max_new_tokens={max_new_tokens!r}")
+def _check_budget(model: CausalLM, prompt_len: int, options: GenerationOptions) -> tuple[int, ...]:
+    max_new_tokens = options.max_new_tokens
     if prompt_len > model.context_length:
         raise ValueError(f"the prompt has {prompt_len} tokens, more than the model's context length "
                          f"{model.context_length}; shorten it (nothing is truncated)")
@@ -132,90 +177,123 @@ def _check_budget(model: CausalLM, prompt_len: int, max_new_tokens: object,
         raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens={max_new_tokens} exceeds the model's "
                          f"context length {model.context_length}; ask for at most "
                          f"{model.context_length - prompt_len} new tokens")
-    stops = model.stop_token_ids if stop_ids is None else tuple(stop_ids)
+    stops = model.stop_token_ids if options.stop_ids is None else tuple(options.stop_ids)
     for s in stops:
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < model.vocab_size:
             raise ValueError(f"stop id {s!r} is not a token id in [0, {model.vocab_size})")
     return stops
 
 
+def prompt_positions(mask: Tensor | None) -> Tensor | None:
+    """Positions (B, T) of a left-padded prompt: padding -1, real tokens 0, 1, ...; None without padding."""
+    if mask is None:
+        return None
+    return torch.where(mask, mask.long().cumsum(dim=1) - 1, -1)  # (B, T)
+
+
+@dataclass
+class DecodeState:
+    """What one decoding step reads and writes, all tensors (B,): nothing for the host to wait on."""
+
+    token: Tensor  # the last token of each row
+    position: Tensor  # where that token goes
+    done: Tensor  # bool: the row has stopped
+    step: Tensor  # how many tokens each row has sampled (the sampler's counter)
+
+
+def decode_step(model: CausalLM, caches: Sequence[Cache], state: DecodeState, sampler: Sampler, seeds: Tensor,
+                stop_ids: Tensor, plain: bool = False) -> DecodeState:
+    """Feed each row's last token, sample the next: one step, no host synchronisation (compiles whole).
+
+    Stopped rows get the pad id; a row stops when it samples a stop id.
+    ``plain``: every row continues right after what the caches hold, so the
+    token's position is left to them (the symbolic causal band, no mask).
+    """
+    positions = None if plain else state.position[:, None]  # (B, 1)
+    logits = model.step(state.token[:, None], positions, caches)  # (B, 1) -> (B, V)
+    return _choose(model, logits, state, sampler, seeds, stop_ids)
+
+
+def _choose(model: CausalLM, logits: Tensor, state: DecodeState, sampler: Sampler, seeds: Tensor,
+            stop_ids: Tensor) -> DecodeState:
+    token = sampler(logits, seeds, state.step).masked_fill(state.done, model.pad_token_id)  # (B, V) -> (B,)
+    done = state.done | torch.isin(token, stop_ids)
+    return DecodeState(token, state.position + 1, done, state.step + 1)
+
+
 def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None = None, *,
-                   max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                   top_p: float | None = None, seed: int | Sequence[int] | None = None,
-                   stop_ids: Sequence[int] | None = None, stats: GenerationStats | None = None) -> Iterator[Tensor]:
+                   stats: GenerationStats | None = None, **options: Any) -> Iterator[Tensor]:
     """Yield the next tokens (B,) one step at a time; stopped rows yield the pad id.
 
-    Arguments as :func:`generate`. Inputs are checked before the first token.
+    Keywords are :class:`GenerationOptions`. Inputs are checked before the first token.
     """
-    sampler = Sampler(temperature, top_k, top_p)
+    opts = GenerationOptions.of(options)
     ids = check_input_ids(model, input_ids)
     mask = check_prompt_mask(ids, attention_mask)
-    stops = _check_budget(model, ids.shape[1], max_new_tokens, stop_ids)
-    seeds = row_seeds(seed, ids.shape[0], ids.device)
-    return _steps(model, ids, mask, max_new_tokens, sampler, seeds, stops, stats or GenerationStats())
+    stops = _check_budget(model, ids.shape[1], opts)
+    seeds = row_seeds(opts.seed, ids.shape[0], ids.device)
+    return _steps(model, ids, mask, opts, seeds, stops, stats or GenerationStats())
 
 
-def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, max_new_tokens: int, sampler: Sampler,
-           seeds: Tensor, stops: tuple[int, ...], stats: GenerationStats) -> Iterator[Tensor]:
+_COMPILED: dict[int, Callable[..., DecodeState]] = {}
+
+
+def _step_function(model: CausalLM, compiled: bool) -> Callable[..., DecodeState]:
+    """decode_step, or its compiled graph (one per model, reused by later calls)."""
+    if not compiled:
+        return decode_step
+    if id(model) not in _COMPILED:
+        _COMPILED.clear()  # keep one: a graph holds its model alive
+        _COMPILED[id(model)] = torch.compile(decode_step, fullgraph=True)
+    return _COMPILED[id(model)]
+
+
+def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOptions, seeds: Tensor,
+           stops: tuple[int, ...], stats: GenerationStats) -> Iterator[Tensor]:
     b, t = ids.shape
-    stop_tensor = torch.tensor(stops, dtype=torch.long, device=ids.device)  # (n_stops,)
-    caches = model.new_caches(t + max_new_tokens)
-    full_mask = None if mask is None else torch.cat(  # (B, T) -> (B, T + N), new tokens are real
-        [mask, mask.new_ones(b, max_new_tokens)], dim=1)
-    done = torch.zeros(b, dtype=torch.bool, device=ids.device)  # (B,)
-    token = ids[:, -1]  # (B,), replaced by each step's choice
+    stop_ids = torch.tensor(stops, dtype=torch.long, device=ids.device)  # (n_stops,)
+    caches = model.new_caches(t + opts.max_new_tokens, static=opts.compile)
+    positions = prompt_positions(mask)  # (B, T) or None
+    if positions is None and opts.compile:  # a static cache takes explicit positions in the compiled step
+        positions = torch.arange(t, device=ids.device).expand(b, t)
+    start = positions[:, -1] + 1 if positions is not None else torch.full((b,), t, device=ids.device)  # (B,)
+    zeros = torch.zeros(b, dtype=torch.long, device=ids.device)
+    state = DecodeState(ids[:, -1], start - 1, zeros.bool(), zeros)  # the prompt's last token, at start - 1
+    step = _step_function(model, opts.compile)
     stats.prompt_tokens, stats.new_tokens = b * t, 0
-    start = time.perf_counter()
+    begin = time.perf_counter()
     with torch.inference_mode():
-        logits = model.step(ids, None if full_mask is None else full_mask[:, :t], caches)  # (B, V)
-    for n in range(max_new_tokens):
-        with torch.inference_mode():
-            if n > 0:
-                key_mask = None if full_mask is None else full_mask[:, : t + n]  # (B, S) view, no copy
-                logits = model.step(token[:, None], key_mask, caches)  # (B, 1) -> (B, V)
-            token = sampler(logits, seeds, torch.full_like(seeds, n))  # (B, V) -> (B,)
-            token = token.masked_fill(done, model.pad_token_id)
-            done = done | torch.isin(token, stop_tensor)
-        now = time.perf_counter()
-        if n == 0:
-            stats.prefill_seconds, start = now - start, now
-        else:
-            stats.decode_seconds = now - start
+        logits = model.step(ids, positions, caches)  # (B, V)
+        state = _choose(model, logits, state, opts.sampler, seeds, stop_ids)  # the first new token, at start
+    stats.prefill_seconds, begin = time.perf_counter() - begin, time.perf_counter()
+    for n in range(opts.max_new_tokens):
+        if n > 0:
+            with torch.inference_mode():
+                state = step(model, caches, state, opts.sampler, seeds, stop_ids, positions is None)
+            stats.decode_seconds = time.perf_counter() - begin
         stats.new_tokens = n + 1
-        yield token
-        if bool(done.all()):
+        yield state.token
+        if bool(state.done.all()):  # between steps: the one host synchronisation of the loop
             return
 
 
 def generate(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None = None, *,
-             max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | Sequence[int] | None = None, stop_ids: Sequence[int] | None = None,
-             stats: GenerationStats | None = None) -> Tensor:
+             stats: GenerationStats | None = None, **options: Any) -> Tensor:
     """Prompt plus new tokens, (B, T + n) long, n <= max_new_tokens.
 
     Args:
         input_ids: (B, T) prompt ids, left-padded when rows differ in length.
         attention_mask: (B, T) bool or 0/1, True/1 = real token; None = all real.
-        max_new_tokens: the most tokens to add (>= 1); prompt + these must fit the context.
-        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
-        top_k, top_p: keep only the k most likely tokens / the smallest set
-            with probability >= top_p before sampling.
-        seed: an int (row r samples with seed + r), one int per row, or None
-            (fresh seeds). A row's tokens depend only on its prompt and seed,
-            never on the other rows of the batch.
-        stop_ids: ids that end a row (kept in the output, then pad ids);
-            None = the model's end-of-turn / end-of-text ids, [] = never stop early.
         stats: filled with token counts and timings.
+        options: :class:`GenerationOptions` (max_new_tokens, temperature,
+            top_k, top_p, seed, stop_ids, compile).
     """
-    steps = generate_steps(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                           stop_ids=stop_ids, stats=stats)
-    new = list(steps)
+    new = list(generate_steps(model, input_ids, attention_mask, stats=stats, **options))
     return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)  # (B, T) + (B, n) -> (B, T + n)
 
 
 def stream_text(model: CausalLM, decode: Callable[[list[int]], str], input_ids: Tensor,
-                attention_mask: Tensor | None = None, **options: object) -> Iterator[str]:
+                attention_mask: Tensor | None = None, **options: Any) -> Iterator[str]:
     """Yield the new text of a single prompt (B = 1) piece by piece as tokens are produced.
 
     ``decode`` turns ids into text; a piece is held back while it ends in an
@@ -223,7 +301,7 @@ def stream_text(model: CausalLM, decode: Callable[[list[int]], str], input_ids: 
     """
     if isinstance(input_ids, Tensor) and input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(f"stream() takes one prompt (B = 1), got a batch of {input_ids.shape[0]}")
-    steps = generate_steps(model, input_ids, attention_mask, **options)  # type: ignore[arg-type]
+    steps = generate_steps(model, input_ids, attention_mask, **options)
     return _pieces(steps, decode)
 
 
@@ -246,3 +324,51 @@ def _pieces(steps: Iterator[Tensor], decode: Callable[[list[int]], str]) -> Iter
     before, after = decode(ids[start:shown]), decode(ids[start:])
     if len(after) > len(before):
         yield after[len(before):]
+
+
+class Tokenizer(Protocol):
+    """What :class:`GenerationMixin` needs from a tokenizer (:class:`attnkit.models.tokenizer.GGUFTokenizer`)."""
+
+    def tokenize(self, texts: str | Sequence[str]) -> dict[str, Tensor]: ...
+
+    def decode(self, ids: Tensor | Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str: ...
+
+
+class GenerationMixin:
+    """Text in, text out, for a decoder model that has a ``tokenizer``: written once for every model.
+
+    The model is a :class:`CausalLM`; these methods only hand it and its
+    tokenizer to the generation loop.
+    """
+
+    tokenizer: Tokenizer | None
+
+    def _tok(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; load it with attnkit.models.load_gguf()")
+        return self.tokenizer
+
+    def tokenize(self, texts: str | Sequence[str]) -> dict[str, Tensor]:
+        """``input_ids`` and ``attention_mask`` (B, T) long, left-padded (ready for generate)."""
+        return self._tok().tokenize(texts)
+
+    def decode(self, ids: Tensor | Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of one row of ids (padding and other special tokens left out by default)."""
+        return self._tok().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The file's chat template for ``messages``, ending with the assistant's turn opened."""
+        return self._tok().chat_prompt(messages)
+
+    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+                 stats: GenerationStats | None = None, **options: Any) -> Tensor:
+        """Prompt plus new tokens (B, T + n); options as :class:`GenerationOptions`."""
+        return generate(self, input_ids, attention_mask, stats=stats, **options)  # type: ignore[arg-type]
+
+    def stream(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+               stats: GenerationStats | None = None, **options: Any) -> Iterator[str]:
+        """The new text of one prompt (B = 1), piece by piece as it is generated."""
+        return stream_text(self, self.decode, input_ids, attention_mask, stats=stats,  # type: ignore[arg-type]
+                           **options)

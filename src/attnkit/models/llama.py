@@ -20,7 +20,7 @@ I feed-forward width, V vocabulary, H query heads, G key/value heads, D head dim
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +32,11 @@ from torch import Tensor, nn
 
 from attnkit._optional import MissingDependencyError
 from attnkit.functional import RotaryEmbedding
-from attnkit.modules import KVCache, MultiHeadAttention
+from attnkit.modules import KVCache, MultiHeadAttention, StaticKVCache
+from attnkit.modules.kv_cache import Cache, check_cache, check_positions, transaction
 
 from . import generation
+from .generation import GenerationMixin, Tokenizer
 from .gguf import GGUFFile, read_gguf, unpermute_rows
 from .tokenizer import GGUFTokenizer
 
@@ -105,42 +107,26 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up are one fused projection (columns: gate, then up)."""
+    """down(silu(gate(x)) * up(x)); gate and up are one fused ``nn.Linear`` (rows: gate, then up)."""
 
     def __init__(self, d_model: int, ffn_size: int) -> None:
         super().__init__()
-        # gate and up stored as (C, 2I) columns: x @ W read this way measured ~25% faster than
-        # F.linear over (2I, C) rows for one decoding token on our CPU
-        self.gate_up_t = nn.Parameter(torch.empty(d_model, 2 * ffn_size).normal_(std=d_model**-0.5))
+        self.gate_up_proj = nn.Linear(d_model, 2 * ffn_size, bias=False)
         self.down_proj = nn.Linear(ffn_size, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)  # (B, T, C) @ (C, 2I) -> 2 x (B, T, I)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, C) -> 2 x (B, T, I)
         return self.down_proj(F.silu(gate) * up)  # (B, T, I) -> (B, T, C)
 
 
-class Vocabulary(nn.Module):
-    """A (V, C) token matrix stored as its transpose (C, V): embedding lookup, and the head ``x @ weight_t``.
+def transposed_storage(weight: Tensor) -> Tensor:
+    """The same (out, in) matrix stored column-major: a (out, in) view of an (in, out) tensor.
 
-    A decoding step's largest matrix-vector product is the head's (V = 49152 rows
-    for SmolLM2); read from (C, V) it measured twice as fast on our CPU as
-    ``F.linear`` over (V, C) rows. Lookups gather columns, a negligible cost.
+    ``F.linear`` over it reads the (in, out) layout, which measured 1.7x faster
+    than row-major for SmolLM2's (49152, 576) head at batch 1 on an AVX2 CPU
+    (BENCHMARKS.md); embedding lookups gather columns, a negligible cost.
     """
-
-    def __init__(self, vocab_size: int, d_model: int) -> None:
-        super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(d_model, vocab_size).normal_())  # (C, V)
-
-    @property
-    def weight(self) -> Tensor:
-        """The (V, C) matrix, one row per token (a view)."""
-        return self.weight_t.t()
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight_t.t())  # (B, T) -> (B, T, C)
-
-    def logits(self, x: Tensor) -> Tensor:
-        return x @ self.weight_t  # (..., C) @ (C, V) -> (..., V)
+    return weight.t().contiguous().t()
 
 
 class LlamaBlock(nn.Module):
@@ -155,138 +141,123 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(c, eps=config.norm_eps)
         self.mlp = SwiGLU(c, config.ffn_size)
 
-    def forward(self, x: Tensor, key_mask: Tensor | None, kv_cache: KVCache | None) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), key_mask=key_mask, kv_cache=kv_cache)  # (B, T, C)
+    def forward(self, x: Tensor, positions: Tensor | None, key_mask: Tensor | None, kv_cache: Cache | None) -> Tensor:
+        h = self.attention(self.attention_norm(x), positions=positions, key_mask=key_mask, kv_cache=kv_cache)
+        x = x + h  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))
 
 
-class LlamaModel(nn.Module):
-    """A Llama decoder with its tokenizer: logits, tokenization, chat prompts, generation.
+class LlamaModel(GenerationMixin, nn.Module):
+    """A Llama decoder: token ids in, logits out; with a tokenizer, text in and out (GenerationMixin).
 
-    ``forward(input_ids, attention_mask=None, kv_caches=None)`` returns logits
-    (B, T, V). Attention layers are ``layers.<i>.attention`` (for
-    :func:`attnkit.trace`).
+    ``forward(input_ids, attention_mask=None, kv_caches=None, positions=None)``
+    returns logits (B, T, V). Attention layers are ``layers.<i>.attention``
+    (for :func:`attnkit.trace`).
     """
 
-    def __init__(self, config: LlamaConfig, tokenizer: GGUFTokenizer | None = None) -> None:
+    def __init__(self, config: LlamaConfig, tokenizer: Tokenizer | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed = Vocabulary(config.vocab_size, config.d_model)
+        head = transposed_storage(torch.empty(config.vocab_size, config.d_model).normal_())  # (V, C)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model, _weight=head)
         rope = RotaryEmbedding(config.head_dim, base=config.rope_base)  # one for all layers: angles once a step
         self.layers = nn.ModuleList([LlamaBlock(config, rope) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.lm_head = None if config.tie_embeddings else Vocabulary(config.vocab_size, config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tie_weights()
         self.tokenizer = tokenizer
         # what the generation loop reads (attnkit.models.generation.CausalLM)
         self.vocab_size, self.context_length = config.vocab_size, config.context_length
-        self.pad_token_id = 0 if tokenizer is None else tokenizer.pad_id
-        self.stop_token_ids: tuple[int, ...] = () if tokenizer is None else tokenizer.stop_ids
+        self.pad_token_id: int = 0 if tokenizer is None else tokenizer.pad_id  # type: ignore[attr-defined]
+        self.stop_token_ids: tuple[int, ...] = () if tokenizer is None else tokenizer.stop_ids  # type: ignore
 
-    def new_caches(self, capacity: int | None = None) -> list[KVCache]:
-        """One empty :class:`attnkit.KVCache` per layer (``capacity`` positions, or growing)."""
+    def tie_weights(self) -> None:
+        """With tied embeddings, the head is the embedding matrix (one Parameter, as after loading)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def new_caches(self, capacity: int | None = None, *, static: bool = False) -> list[Cache]:
+        """One empty cache per layer: a growing :class:`attnkit.KVCache` (up to ``capacity`` positions,
+        or unbounded), or with ``static`` a :class:`attnkit.StaticKVCache` of ``capacity`` slots."""
+        if static:
+            if capacity is None:
+                raise ValueError("a static cache needs a capacity (positions 0 .. capacity - 1)")
+            return [StaticKVCache(capacity) for _ in self.layers]
         return [KVCache(capacity) for _ in self.layers]
 
-    def _hidden(self, input_ids: Tensor, key_mask: Tensor | None, kv_caches: Sequence[KVCache] | None) -> Tensor:
-        if kv_caches is None:
-            return self._layers(input_ids, key_mask, [None] * len(self.layers))
-        blocks = zip(kv_caches, self.layers, strict=True)
-        checkpoints = [(cache, cache.claim(block.attention)) for cache, block in blocks]
-        try:
-            return self._layers(input_ids, key_mask, kv_caches)
-        except BaseException:  # a call that raises (or is interrupted) leaves every cache as it was
-            for cache, checkpoint in checkpoints:
-                cache.restore(checkpoint)
-            raise
-
-    def _layers(self, input_ids: Tensor, key_mask: Tensor | None, kv_caches: Sequence[KVCache | None]) -> Tensor:
+    def _hidden(self, input_ids: Tensor, positions: Tensor | None, key_mask: Tensor | None,
+                kv_caches: Sequence[Cache | None]) -> Tensor:
         x = self.embed(input_ids)  # (B, T) -> (B, T, C)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, key_mask, cache)
+            x = layer(x, positions, key_mask, cache)
         return self.norm(x)
 
-    def _head(self, x: Tensor) -> Tensor:
-        return (self.embed if self.lm_head is None else self.lm_head).logits(x)  # (..., C) -> (..., V)
+    def _run(self, input_ids: Tensor, positions: Tensor | None, key_mask: Tensor | None,
+             kv_caches: Sequence[Cache] | None) -> Tensor:
+        if kv_caches is None:
+            return self._hidden(input_ids, positions, key_mask, [None] * len(self.layers))
+        with transaction(kv_caches, [block.attention for block in self.layers]):  # all caches, or none, change
+            return self._hidden(input_ids, positions, key_mask, kv_caches)
 
-    def _key_mask(self, input_ids: Tensor, attention_mask: object, cached: int) -> Tensor | None:
+    def _check_caches(self, kv_caches: object) -> Sequence[Cache] | None:
+        if kv_caches is None:
+            return None
+        if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches must be a list of {len(self.layers)} caches (one per layer), e.g. "
+                             f"model.new_caches(); got {type(kv_caches).__name__}")
+        return [check_cache(c, f"kv_caches[{i}]") for i, c in enumerate(kv_caches)]
+
+    def _key_mask(self, input_ids: Tensor, attention_mask: object, kv_caches: Sequence[Cache] | None
+                  ) -> Tensor | None:
         if attention_mask is None:
             return None
-        b, s = input_ids.shape[0], cached + input_ids.shape[1]
-        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, s):
+        if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or (
+                attention_mask.shape[0] != input_ids.shape[0] or attention_mask.shape[1] < input_ids.shape[1]):
             got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-            raise ValueError(f"attention_mask must be (B, S) = ({b}, {s}) (S counts cached positions), got {got}")
-        if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-            raise ValueError(f"attention_mask must be bool or integer (1 = real token), "
-                             f"got dtype {attention_mask.dtype}")
-        return attention_mask.to(device=input_ids.device, dtype=torch.bool)
+            raise ValueError(f"attention_mask must be (B, S) with B = {input_ids.shape[0]} and S = the cache's "
+                             f"positions + {input_ids.shape[1]} new ones, got {got}")
+        return generation.mask_to_bool(attention_mask).to(input_ids.device)
 
-    def _cached(self, kv_caches: object) -> int:
-        if kv_caches is None:
-            return 0
-        if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.layers) or not all(
-                isinstance(c, KVCache) for c in kv_caches):
-            raise ValueError(f"kv_caches must be a list of {len(self.layers)} attnkit.KVCache (one per layer), "
-                             f"e.g. model.new_caches(); got {type(kv_caches).__name__}")
-        lengths = {len(c) for c in kv_caches}
-        if len(lengths) != 1:
-            raise ValueError(f"kv_caches hold different numbers of positions {sorted(lengths)}; reset them")
-        return lengths.pop()
+    def _check_room(self, input_ids: Tensor, positions: Tensor | None, caches: Sequence[Cache] | None) -> None:
+        """Every position must lie in the context window."""
+        b, t = input_ids.shape
+        if positions is None:
+            at = 0 if caches is None else caches[0].next_positions(b, t, input_ids.device)
+            if isinstance(at, int):
+                if at + t > self.context_length:
+                    raise ValueError(f"{at} cached + {t} new positions exceed the model's context length "
+                                     f"{self.context_length}")
+                return
+            positions = at
+        if int(positions.max()) >= self.context_length:
+            raise ValueError(f"position {int(positions.max())} is beyond the model's context length "
+                             f"{self.context_length} (positions 0 .. {self.context_length - 1})")
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                kv_caches: Sequence[KVCache] | None = None) -> Tensor:
+                kv_caches: Sequence[Cache] | None = None, positions: Tensor | None = None) -> Tensor:
         """Logits (B, T, V) for input_ids (B, T).
 
         Args:
             attention_mask: (B, S) bool or 0/1, True/1 = real token, False/0 =
                 padding; S = cached + T positions. None = all real.
-            kv_caches: one KVCache per layer (``new_caches()``); the new
-                positions are appended and attention covers all they hold.
+            kv_caches: one cache per layer (``new_caches()``); the new
+                positions are stored and attention covers all they hold.
+            positions: (B, T) long, each token's position (-1: padding, a
+                token nobody sees); rows may sit at different positions, so
+                left padding is not needed. None = 0 .. T - 1 or after what
+                the caches hold.
         """
         generation.check_input_ids(self, input_ids)
-        cached = self._cached(kv_caches)
-        if cached + input_ids.shape[1] > self.context_length:
-            raise ValueError(f"{cached} cached + {input_ids.shape[1]} new positions exceed the model's context "
-                             f"length {self.context_length}")
-        key_mask = self._key_mask(input_ids, attention_mask, cached)
-        return self._head(self._hidden(input_ids, key_mask, kv_caches))  # (B, T) -> (B, T, V)
+        caches = self._check_caches(kv_caches)
+        if positions is not None:
+            positions = check_positions(positions, *input_ids.shape)
+        self._check_room(input_ids, positions, caches)
+        key_mask = self._key_mask(input_ids, attention_mask, caches)
+        return self.lm_head(self._run(input_ids, positions, key_mask, caches))  # (B, T, C) -> (B, T, V)
 
-    def step(self, input_ids: Tensor, key_mask: Tensor | None, kv_caches: list[KVCache]) -> Tensor:
+    def step(self, input_ids: Tensor, positions: Tensor | None, kv_caches: Sequence[Cache]) -> Tensor:
         """Logits (B, V) of the last position only; no checks (the generation loop made them)."""
-        return self._head(self._hidden(input_ids, key_mask, kv_caches)[:, -1])  # (B, T, C) -> (B, V)
-
-    def _tok(self) -> GGUFTokenizer:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; load it with load_gguf() or load_smollm2()")
-        return self.tokenizer
-
-    def tokenize(self, texts: str | Sequence[str]) -> dict[str, Tensor]:
-        """``input_ids`` and ``attention_mask`` (B, T) long, left-padded (ready for generate)."""
-        return self._tok().tokenize(texts)
-
-    def decode(self, ids: Tensor | Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of one row of ids (padding and other special tokens left out by default)."""
-        return self._tok().decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The file's chat template for ``messages``, ending with the assistant's turn opened."""
-        return self._tok().chat_prompt(messages)
-
-    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, max_new_tokens: int,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, stop_ids: Sequence[int] | None = None,
-                 stats: generation.GenerationStats | None = None) -> Tensor:
-        """Prompt plus new tokens (B, T + n); see :func:`attnkit.models.generation.generate`."""
-        return generation.generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                   stop_ids=stop_ids, stats=stats)
-
-    def stream(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, max_new_tokens: int,
-               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-               seed: int | None = None, stop_ids: Sequence[int] | None = None,
-               stats: generation.GenerationStats | None = None) -> Iterator[str]:
-        """The new text of one prompt (B = 1), piece by piece as it is generated."""
-        return generation.stream_text(self, self.decode, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                      stop_ids=stop_ids, stats=stats)
+        return self.lm_head(self._run(input_ids, positions, None, kv_caches)[:, -1])  # (B, T, C) -> (B, V)
 
 
 def _fuse(file: GGUFFile, names: Sequence[str], heads: Sequence[int | None]) -> Tensor:
@@ -311,10 +282,11 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
     def put(name: str, tensor: Tensor) -> None:
         out[name] = tensor.to(dtype)
 
-    put("embed.weight_t", torch.from_numpy(file.tensor("token_embd.weight")).t().contiguous())
+    embed = transposed_storage(torch.from_numpy(file.tensor("token_embd.weight")).to(dtype))  # (V, C)
+    out["embed.weight"] = out["lm_head.weight"] = embed
     put("norm.weight", torch.from_numpy(file.tensor("output_norm.weight")))
     if not config.tie_embeddings:
-        put("lm_head.weight_t", torch.from_numpy(file.tensor("output.weight")).t().contiguous())
+        out["lm_head.weight"] = transposed_storage(torch.from_numpy(file.tensor("output.weight")).to(dtype))
     for i in range(config.num_layers):
         old, new = f"blk.{i}.", f"layers.{i}."
         names = {n: old + n + ".weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -325,7 +297,7 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
         put(new + "attention.out_proj.weight", torch.from_numpy(file.tensor(names["attn_output"])))
         put(new + "attention_norm.weight", torch.from_numpy(file.tensor(names["attn_norm"])))
         put(new + "mlp_norm.weight", torch.from_numpy(file.tensor(names["ffn_norm"])))
-        put(new + "mlp.gate_up_t", _fuse(file, (names["ffn_gate"], names["ffn_up"]), (None, None)).t().contiguous())
+        put(new + "mlp.gate_up_proj.weight", _fuse(file, (names["ffn_gate"], names["ffn_up"]), (None, None)))
         put(new + "mlp.down_proj.weight", torch.from_numpy(file.tensor(names["ffn_down"])))
         if progress is not None:
             progress(i + 1, total)
@@ -360,6 +332,12 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     with torch.device("meta"):  # no random initialisation: every parameter is assigned below
         model = LlamaModel(config, tokenizer)
     model.load_state_dict(weights, strict=True, assign=True)
+    model.tie_weights()  # assign gave the embedding and the head a Parameter each (one storage)
+    for module in model.modules():  # buffers outside the state dict (the layers' activation dtype) leave meta
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                kind = dtype if buffer.is_floating_point() else buffer.dtype
+                module.register_buffer(name, torch.empty(buffer.shape, dtype=kind), persistent=False)
     return model.eval()
 
 

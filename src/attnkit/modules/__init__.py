@@ -3,6 +3,7 @@
 from .attention import MultiHeadAttention, Parallel
 from .convert import from_textbook, from_torch, to_torch
 from .cross import CrossAttention
-from .kv_cache import KVCache
+from .kv_cache import Cache, KVCache, StaticKVCache
 
-__all__ = ["CrossAttention", "KVCache", "MultiHeadAttention", "Parallel", "from_textbook", "from_torch", "to_torch"]
+__all__ = ["Cache", "CrossAttention", "KVCache", "MultiHeadAttention", "Parallel", "StaticKVCache", "from_textbook",
+           "from_torch", "to_torch"]

@@ -11,10 +11,10 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from attnkit.functional import RotaryEmbedding
+from attnkit.functional import RotaryEmbedding, position_mask, rotate_half
 
 from .heads import AttentionHeads, factory_kwargs
-from .kv_cache import KVCache
+from .kv_cache import Cache, CachedKeys, check_cache, check_positions, transaction
 
 
 class Parallel(Protocol):
@@ -96,22 +96,33 @@ class MultiHeadAttention(AttentionHeads):
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries (B, H, T, D), keys and values (B, G, T, D), before rotary embedding."""
-        q, k, v = self.qkv_proj(x).split(self._sizes, dim=-1)  # (B, T, (H+2G)D) -> 3 parts
+        qkv = self.qkv_proj(x)  # (B, T, d_in) -> (B, T, (H+2G)D)
+        if qkv.shape[-1] != sum(self._sizes) or qkv.dtype != x.dtype:
+            raise ValueError(f"qkv_proj ({type(self.qkv_proj).__name__}) gave {qkv.dtype} (..., {qkv.shape[-1]}) "
+                             f"for {x.dtype} input; the layer needs {x.dtype} (..., {sum(self._sizes)})")
+        q, k, v = qkv.split(self._sizes, dim=-1)  # (B, T, (H+2G)D) -> 3 parts
         return self.split(q, self.num_heads), self.split(k, self.num_kv_heads), self.split(v, self.num_kv_heads)
 
-    def forward(self, x: Tensor, *, key_mask: Tensor | None = None, attn_mask: Tensor | None = None,
-                kv_cache: KVCache | None = None, need_weights: bool = False,
+    def forward(self, x: Tensor, *, positions: Tensor | None = None, key_mask: Tensor | None = None,
+                attn_mask: Tensor | None = None, kv_cache: Cache | None = None, need_weights: bool = False,
                 parallel: Parallel | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from x (B, T, d_in) to itself (and to what ``kv_cache`` holds).
 
         Args:
+            positions: long (B, T), each token's position: rotary embedding
+                rotates each row at its own positions, and the causal band
+                (and window) is aligned by them, so rows at different
+                positions each get what they would get alone. None: 0 .. T - 1,
+                or after what the cache holds.
             key_mask: bool (B, S), True where a key is a real token (False =
                 padding). With a KV cache, S counts the cached positions too.
             attn_mask: bool (True = may attend) or float (added to the
                 scores), broadcastable to (B, H, T, S).
-            kv_cache: a :class:`KVCache` for this layer; the new keys and
-                values are appended to it and attention covers all it holds.
-                A call that raises leaves the cache as it was.
+            kv_cache: a cache for this layer (:class:`KVCache`,
+                :class:`StaticKVCache`, or anything implementing the protocol of
+                :mod:`attnkit.modules.kv_cache`); the new keys and values are
+                stored in it and attention covers all it holds. A call that
+                raises leaves the cache as it was.
             need_weights: also return the weights (B, H, T, S).
             parallel: run context-parallel: x is this process's shard of the
                 sequence and ``parallel`` (e.g.
@@ -124,22 +135,45 @@ class MultiHeadAttention(AttentionHeads):
         self.check_x(x)
         if parallel is not None:
             return self._parallel(x, parallel, key_mask, attn_mask, kv_cache, need_weights)
+        b, t, _ = x.shape
+        if positions is not None:
+            positions = check_positions(positions, b, t)
         q, k, v = self.project(x)
         if kv_cache is None:
-            if self.rope is not None:
-                q, k = self.rope(q, k)
-            return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights)
-        if not isinstance(kv_cache, KVCache):
-            raise TypeError(f"kv_cache must be an attnkit.KVCache, got {type(kv_cache).__name__}")
-        checkpoint = kv_cache.claim(self)
-        try:
-            if self.rope is not None:
-                q, k = self.rope(q, k, offset=len(kv_cache))
-            k, v = kv_cache.append(k, v)  # -> (B, G, S, D), S = cached + T
-            return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights)
-        except BaseException:
-            kv_cache.restore(checkpoint)  # a call that raises leaves the cache as it was
-            raise
+            q, k = self._rotate(q, k, 0 if positions is None else positions)
+            return self._attend(q, CachedKeys(k, v, positions), 0 if positions is None else positions,
+                                key_mask, attn_mask, need_weights)
+        cache = check_cache(kv_cache)
+        with transaction([cache], [self]):
+            at = cache.next_positions(b, t, x.device) if positions is None else positions  # int: a plain prefix
+            q, k = self._rotate(q, k, at)
+            keys = cache.update(k, v, at if isinstance(at, Tensor) else None)  # (B, G, S, D)
+            return self._attend(q, keys, at, key_mask, attn_mask, need_weights)
+
+    def _rotate(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
+        """q (B, H, T, D) and k (B, G, T, D) rotated at offset .. offset + T - 1, or at positions (B, T)."""
+        if self.rope is None:
+            return q, k
+        if isinstance(positions, int):
+            return self.rope(q, k, offset=positions)
+        b, t = positions.shape
+        cos, sin = self.rope.cos_sin(positions.reshape(-1), q.dtype)  # (B * T, D) each
+        cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)  # -> (B, 1, T, D): one angle per row and token
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def _attend(self, q: Tensor, keys: CachedKeys, positions: int | Tensor, key_mask: Tensor | None,
+                attn_mask: Tensor | None, need_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
+        """Attention over what the cache handed back; the band from positions when they are explicit."""
+        if keys.positions is None and not isinstance(positions, Tensor):  # a plain prefix: the symbolic band
+            return self.attend(q, keys.k, keys.v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights)
+        b, _, t, _ = q.shape
+        s = keys.k.shape[2]
+        q_pos = positions if isinstance(positions, Tensor) else (positions + torch.arange(t, device=q.device)).expand(
+            b, t)  # (B, T)
+        k_pos = keys.positions if keys.positions is not None else torch.arange(s, device=q.device).expand(b, s)
+        band = position_mask(q_pos, k_pos, causal=self.causal, window=self.window)  # (B, 1, T, S)
+        return self.attend(q, keys.k, keys.v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights,
+                           band=band)
 
     def _parallel(self, x: Tensor, parallel: Parallel, key_mask: Tensor | None, attn_mask: object,
                   kv_cache: object, need_weights: object) -> Tensor:

@@ -11,12 +11,14 @@ G key/value heads, D head dim, C = H * D = d_out.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from attnkit.backends import check_backend, check_options, make_call, run
+from attnkit.functional import combine_masks
 
 
 def positive_int(name: str, value: object) -> int:
@@ -50,6 +52,9 @@ class AttentionHeads(nn.Module):
         self.head_dim = d_out // num_heads
         self.causal, self.window, self.dropout, self.backend = causal, window, float(dropout), backend
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias, **factory)
+        # the dtype and device of activations, converted by .to() / .double() like a parameter: a module swap
+        # (quantize_dynamic, LoRA) may replace the projections' weights, but inputs stay in this dtype
+        self.register_buffer("activation", torch.empty(0, **factory), persistent=False)
 
     def reset_parameters(self) -> None:
         """Re-initialise every projection as the constructor does (e.g. after ``to_empty()``)."""
@@ -70,7 +75,7 @@ class AttentionHeads(nn.Module):
         return x.view(b, s, heads, self.head_dim).transpose(1, 2)  # (B, S, heads * D) -> (B, heads, S, D)
 
     def check_x(self, x: object, name: str = "x", width: int | None = None) -> Tensor:
-        """x must be (B, T, width) with T >= 1, in the weights' dtype and on their device."""
+        """x must be (B, T, width) with T >= 1, in the layer's activation dtype and on its device."""
         width = self.d_in if width is None else width
         length, label = ("T", "d_in") if name == "x" else ("S", "d_context")
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != width or x.shape[1] == 0:
@@ -78,19 +83,26 @@ class AttentionHeads(nn.Module):
             raise ValueError(f"{name} must be a (B, {length}, {label}={width}) tensor with {length} >= 1, got {shape}")
         if not x.is_floating_point():
             raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
-        weight = self.out_proj.weight
-        if (x.dtype, x.device) != (weight.dtype, weight.device):
-            raise ValueError(f"{name} is {x.dtype} on {x.device} but the layer's weights are {weight.dtype} on "
-                             f"{weight.device}; move one to the other (e.g. layer.to({name}.dtype))")
+        want = self.activation
+        if (x.dtype, x.device) != (want.dtype, want.device):
+            raise ValueError(f"{name} is {x.dtype} on {x.device} but the layer computes in {want.dtype} on "
+                             f"{want.device}; move one to the other (e.g. layer.to({name}.dtype))")
         return x
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, key_mask: object, attn_mask: object,
-               need_weights: object) -> Tensor | tuple[Tensor, Tensor]:
-        """Attention over q (B, H, T, D), k, v (B, G, S, D), merged and projected: (B, T, d_out)."""
+               need_weights: object, band: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Attention over q (B, H, T, D), k, v (B, G, S, D), merged and projected: (B, T, d_out).
+
+        ``band`` (B, 1, T, S) bool, from explicit positions, replaces the layer's
+        causal / window band (which is otherwise aligned bottom-right by index).
+        """
         if not isinstance(need_weights, bool):
             raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
-        call = make_call(q, k, v, mask=attn_mask, key_mask=key_mask, causal=self.causal, window=self.window,
+        causal, window = (self.causal, self.window) if band is None else (False, None)
+        call = make_call(q, k, v, mask=attn_mask, key_mask=key_mask, causal=causal, window=window,
                          dropout_p=self.dropout if self.training else 0.0, mask_name="attn_mask")
+        if band is not None:
+            call = replace(call, mask=combine_masks(call.mask, band))
         result = run(call, backend=self.backend, return_weights=need_weights)
         out, weights = result if isinstance(result, tuple) else (result, None)
         b, _, t, _ = q.shape

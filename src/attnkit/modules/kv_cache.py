@@ -1,17 +1,38 @@
-"""Keys and values of earlier positions, kept for incremental decoding.
+"""Keys and values of earlier positions, kept for incremental decoding: the cache protocol and two caches.
 
-One :class:`KVCache` per attention layer. Pass the same object on each call,
-``layer(x_new, kv_cache=cache)``: the layer appends the new positions' keys
-and values (after rotary embedding) and attends over everything held.
+One cache per attention layer. Pass the same object on each call,
+``layer(x_new, kv_cache=cache)``: the layer rotates the new keys (RoPE) at
+their positions, hands them to the cache, and attends over what it gets back.
 
-Storage is preallocated and grows by doubling (or is fixed by ``capacity``),
-so a decoding step writes only its own positions instead of copying the
-whole cache as ``torch.cat`` would.
+**The protocol** (:class:`Cache`) is all a layer or a model knows of a cache:
 
-Legend: B batch, G key/value heads, S positions held, D head dim.
+- ``next_positions(batch, length, device)``: where a call's tokens go when the
+  caller gives no positions: an int n (every row continues at n .. n + T - 1,
+  and keys are a plain prefix 0 .. S - 1, so kernels keep the symbolic causal
+  band), or positions (B, T) long.
+- ``update(k, v, positions)``: store this call's keys and values (B, G, T, D)
+  at ``positions`` (B, T), or after what is held when None; return a
+  :class:`CachedKeys`: the keys and values to attend to (B, G, S, D) and each
+  key's position (B, S) (-1: an empty slot no query sees), or None when key j
+  sits at position j of every row.
+- ``claim(owner) -> checkpoint`` and ``restore(checkpoint)``: the first marks
+  the cache as one layer's (another layer writing to it is an error) and
+  saves its state; the second undoes everything since. :func:`transaction`
+  uses them so that a call that raises leaves every cache as it was.
+
+Implementations: :class:`KVCache` (contiguous, growing by doubling),
+:class:`StaticKVCache` (preallocated, slot = position: what ``torch.compile``
+captures), and the paged cache of :mod:`attnkit.serve`.
+
+Legend: B batch, G key/value heads, T new positions, S positions held, D head dim.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -19,24 +40,117 @@ from torch import Tensor
 _MIN_ALLOC = 64
 
 
-class KVCache:
+@dataclass(frozen=True)
+class CachedKeys:
+    """What a cache hands back to the layer."""
+
+    k: Tensor  # (B, G, S, D)
+    v: Tensor  # (B, G, S, Dv)
+    positions: Tensor | None  # (B, S) long, -1 = empty slot; None: key j is at position j in every row
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """A KV cache as the layer sees it (see the module docstring)."""
+
+    def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor: ...
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys: ...
+
+    def claim(self, owner: object) -> Any: ...
+
+    def restore(self, checkpoint: Any) -> None: ...
+
+
+_PROTOCOL = ("next_positions", "update", "claim", "restore")
+
+
+def check_cache(cache: object, name: str = "kv_cache") -> Cache:
+    """``cache`` if it implements :class:`Cache`; else a TypeError naming what it lacks."""
+    missing = [m for m in _PROTOCOL if not callable(getattr(cache, m, None))]
+    if missing:
+        raise TypeError(f"{name} must implement the cache protocol (attnkit.modules.kv_cache.Cache: "
+                        f"{', '.join(_PROTOCOL)}); {type(cache).__name__} lacks {', '.join(missing)}")
+    return cache  # type: ignore[return-value]
+
+
+@contextmanager
+def transaction(caches: Sequence[Cache], owners: Sequence[object]) -> Iterator[None]:
+    """Claim each cache for its owner; if the block raises (or is interrupted), restore them all."""
+    checkpoints = [cache.claim(owner) for cache, owner in zip(caches, owners, strict=True)]
+    try:
+        yield
+    except BaseException:
+        for cache, checkpoint in zip(caches, checkpoints, strict=True):
+            cache.restore(checkpoint)
+        raise
+
+
+def check_positions(positions: object, batch: int, length: int) -> Tensor:
+    """Positions must be (B, T) long, >= 0 (or -1: padding) and never decreasing along a row (padding aside)."""
+    if not isinstance(positions, Tensor) or positions.dtype != torch.long or tuple(positions.shape) != (batch, length):
+        got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, Tensor) else repr(positions)
+        raise ValueError(f"positions must be a torch.long (B, T) = ({batch}, {length}) tensor, got {got}")
+    if torch.compiler.is_compiling():
+        return positions
+    if positions.numel() and int(positions.min()) < -1:
+        raise ValueError(f"positions must be >= 0 (or -1 to mark padding), got {int(positions.min())}")
+    before = positions.cummax(dim=1).values[:, :-1]  # (B, T - 1): the highest position so far
+    drops = ((positions[:, 1:] >= 0) & (positions[:, 1:] < before)).nonzero()
+    if len(drops):
+        row, t = (int(i) for i in drops[0])
+        raise ValueError(f"positions must not decrease within a row: row {row} goes from "
+                         f"{int(before[row, t])} to {int(positions[row, t + 1])}")
+    return positions
+
+
+class _Ownership:
+    """The owner check that both caches share: one cache, one layer."""
+
+    _owner: int | None
+    _kind: str
+
+    def _claim_owner(self, owner: object) -> int | None:
+        if self._owner is not None and self._owner != id(owner):
+            raise ValueError(f"this {self._kind} already holds the keys of another layer; a model needs one "
+                             f"{self._kind} per layer (e.g. [{self._kind}(...) for _ in layers]), or call "
+                             "cache.reset() to reuse it")
+        before, self._owner = self._owner, id(owner)
+        return before
+
+
+def _refuse_repeats(held: Tensor, length: int, positions: Tensor) -> None:
+    """New positions must come after every position a row already holds (ignoring empty slots, -1)."""
+    if torch.compiler.is_compiling() or length == 0:
+        return
+    last = held[:, :length].amax(dim=1)  # (B,), -1 when a row holds only padding
+    first = positions.masked_fill(positions < 0, 2**62).amin(dim=1)  # (B,), padding aside
+    bad = (first <= last).nonzero()
+    if len(bad):
+        row = int(bad[0])
+        raise ValueError(f"positions repeat what the cache holds: row {row} holds positions up to {int(last[row])} "
+                         f"but this call starts at {int(first[row])}")
+
+
+class KVCache(_Ownership):
     """A growing store of keys and values (B, G, S, D) for one layer.
 
     Args:
         capacity: the most positions it may hold; appending past it raises.
             None (default) grows as needed.
 
-    ``len(cache)`` is the number of positions held; ``cache.keys`` and
-    ``cache.values`` are views of them. ``reset()`` empties it for a new
-    sequence (same batch size or a new one); ``crop(n)`` rewinds it to its
-    first n positions. Held keys and values are constants: gradients reach
-    only those of the current call.
-
-    A cache belongs to the first layer that writes to it (a model uses one
-    cache per layer); another layer writing to it is an error, until
-    ``reset()``. A cache filled under ``torch.inference_mode()`` may be used
-    outside it: its storage is then copied once into ordinary tensors.
+    ``len(cache)`` is the number of slots held (the same for every row);
+    ``cache.keys`` and ``cache.values`` are views of them. While every call
+    gives no positions, slot j holds position j (the fast path); explicit
+    positions (B, T) are stored per row, so rows may sit at different
+    positions (``cache.positions``). ``reset()`` empties it for a new
+    sequence; ``crop(n)`` rewinds it to its first n slots. Held keys and
+    values are constants: gradients reach only those of the current call.
+    A cache filled under ``torch.inference_mode()`` may be used outside it
+    (its storage is then copied once into ordinary tensors).
     """
+
+    _kind = "KVCache"
 
     def __init__(self, capacity: int | None = None) -> None:
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
@@ -44,8 +158,9 @@ class KVCache:
         self.capacity = capacity
         self._k: Tensor | None = None
         self._v: Tensor | None = None
+        self._pos: Tensor | None = None  # (B, allocated) positions once a call gave explicit ones
         self._length = 0
-        self._owner: int | None = None  # id() of the layer that writes to this cache
+        self._owner: int | None = None
 
     def __len__(self) -> int:
         return self._length
@@ -64,6 +179,11 @@ class KVCache:
         """The values held, (B, G, S, Dv), or None before the first append."""
         return None if self._v is None else self._v[:, :, : self._length]
 
+    @property
+    def positions(self) -> Tensor | None:
+        """Each held slot's position (B, S), or None while slot j holds position j."""
+        return None if self._pos is None else self._pos[:, : self._length]
+
     def __getstate__(self) -> dict[str, object]:
         """Copies and pickles belong to no layer yet (the original's layer is not theirs)."""
         return {**self.__dict__, "_owner": None}
@@ -71,45 +191,41 @@ class KVCache:
     def __copy__(self) -> KVCache:
         """An independent cache holding the same positions (storage is copied, never shared)."""
         twin = KVCache(self.capacity)
-        if self._k is not None and self._v is not None:
-            twin._k, twin._v = self._k.clone(), self._v.clone()
+        twin._k, twin._v, twin._pos = (None if t is None else t.clone() for t in (self._k, self._v, self._pos))
         twin._length = self._length
         return twin
 
     def reset(self) -> None:
         """Forget every position and the layer it belonged to (keeps no storage)."""
-        self._k = self._v = None
+        self._k = self._v = self._pos = None
         self._length = 0
         self._owner = None
 
-    def claim(self, layer: object) -> tuple[int, int | None, Tensor | None, Tensor | None]:
-        """Mark ``layer`` as this cache's writer (or raise if another layer is); return a checkpoint.
+    def claim(self, owner: object) -> tuple[Any, ...]:
+        """Mark ``owner`` as this cache's writer (or raise if another layer is); return a checkpoint."""
+        before = self._claim_owner(owner)
+        return (self._length, before, self._k, self._v, self._pos)
 
-        :meth:`restore` with the checkpoint undoes everything a call did,
-        so a layer call that raises leaves the cache as it was.
-        """
-        if self._owner is not None and self._owner != id(layer):
-            raise ValueError(f"this KVCache already holds the keys of another layer ({self._length} positions); "
-                             "a model needs one KVCache per layer (e.g. [KVCache() for _ in layers]), "
-                             "or call cache.reset() to reuse it for a new sequence")
-        checkpoint = (self._length, self._owner, self._k, self._v)
-        self._owner = id(layer)
-        return checkpoint
-
-    def restore(self, checkpoint: tuple[int, int | None, Tensor | None, Tensor | None]) -> None:
+    def restore(self, checkpoint: tuple[Any, ...]) -> None:
         """Go back to the state :meth:`claim` saved (positions past it are forgotten)."""
-        self._length, self._owner, self._k, self._v = checkpoint
+        self._length, self._owner, self._k, self._v, self._pos = checkpoint
 
     def crop(self, length: int) -> None:
-        """Keep only the first ``length`` positions (to rewind, e.g. after a rejected draft).
+        """Keep only the first ``length`` slots (to rewind, e.g. after a rejected draft).
 
-        Storage is reused: positions past ``length`` are overwritten by the next append,
-        so views taken from :attr:`keys` / :attr:`values` before a crop change with it
-        (clone them to keep them).
+        Storage is reused: slots past ``length`` are overwritten by the next append,
+        so views taken from :attr:`keys` / :attr:`values` before a crop change with it.
         """
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
             raise ValueError(f"crop length must be an int in [0, {self._length}], got {length!r}")
         self._length = length
+
+    def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor:
+        """``len(cache)`` while slots are positions; else each row's last position + 1 onwards (B, T)."""
+        if self._pos is None or self._length == 0:
+            return self._length
+        last = self._pos[:, : self._length].amax(dim=1, keepdim=True)  # (B, 1)
+        return last + 1 + torch.arange(length, device=last.device)  # (B, T)
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
@@ -125,19 +241,23 @@ class KVCache:
         if (k.dtype, k.device) != (self._k.dtype, self._k.device):
             raise ValueError(f"this cache holds {self._k.dtype} on {self._k.device}, got {k.dtype} on {k.device}")
 
-    def _reserve(self, needed: int, k: Tensor, v: Tensor) -> None:
-        """Make room for ``needed`` positions, copying what is held into larger storage."""
+    def _reserve(self, needed: int, k: Tensor, v: Tensor, explicit: bool) -> None:
+        """Make room for ``needed`` slots, copying what is held into larger storage."""
         allocated = 0 if self._k is None else self._k.shape[2]
-        if needed <= allocated:
-            return
-        size = self.capacity if self.capacity is not None else max(_MIN_ALLOC, needed, 2 * allocated)
-        b, g, _, d = k.shape
-        new_k = k.new_empty(b, g, size, d)
-        new_v = v.new_empty(b, g, size, v.shape[3])
-        if self._k is not None and self._v is not None:
-            new_k[:, :, : self._length] = self._k[:, :, : self._length]
-            new_v[:, :, : self._length] = self._v[:, :, : self._length]
-        self._k, self._v = new_k, new_v
+        if needed > allocated:
+            size = self.capacity if self.capacity is not None else max(_MIN_ALLOC, needed, 2 * allocated)
+            b, g, _, d = k.shape
+            new_k, new_v = k.new_empty(b, g, size, d), v.new_empty(b, g, size, v.shape[3])
+            new_pos = None if self._pos is None else self._pos.new_empty(b, size)
+            if self._k is not None and self._v is not None:
+                new_k[:, :, : self._length] = self._k[:, :, : self._length]
+                new_v[:, :, : self._length] = self._v[:, :, : self._length]
+            if self._pos is not None and new_pos is not None:
+                new_pos[:, : self._length] = self._pos[:, : self._length]
+            self._k, self._v, self._pos = new_k, new_v, new_pos
+        if explicit and self._pos is None:  # the first explicit positions: slots so far held positions 0 .. n - 1
+            assert self._k is not None
+            self._pos = torch.arange(self._k.shape[2], device=k.device).expand(k.shape[0], -1).clone()
 
     def _leave_inference_mode(self) -> None:
         """Storage made under ``torch.inference_mode()`` cannot be written outside it: copy it once."""
@@ -145,22 +265,131 @@ class KVCache:
             return
         if self._k.is_inference() and not torch.is_inference_mode_enabled():
             self._k, self._v = self._k.clone(), self._v.clone()
+            self._pos = None if self._pos is None else self._pos.clone()
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v (B, G, T, D) after the positions held; return all keys and values held."""
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
+        """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position)."""
         self._check(k, v)
         self._leave_inference_mode()
         needed = self._length + k.shape[2]
         if self.capacity is not None and needed > self.capacity:
             raise ValueError(f"KVCache capacity {self.capacity} exceeded: it holds {self._length} "
                              f"positions and {k.shape[2]} more were appended")
-        self._reserve(needed, k, v)
+        if positions is not None:
+            before = torch.arange(self._length, device=k.device).expand(k.shape[0], -1) if self._pos is None \
+                else self._pos
+            _refuse_repeats(before, self._length, positions)
+        self._reserve(needed, k, v, positions is not None)
         assert self._k is not None and self._v is not None  # _reserve allocated them
         start, self._length = self._length, needed
         self._k[:, :, start:needed] = k.detach()
         self._v[:, :, start:needed] = v.detach()
+        if self._pos is not None:
+            self._pos[:, start:needed] = torch.arange(start, needed, device=k.device) if positions is None \
+                else positions
+        held = None if self._pos is None else self._pos[:, :needed]  # (B, S)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             # keep autograd's path to this call's keys and values (earlier ones are constants)
-            return (torch.cat([self._k[:, :, :start], k], dim=2),  # (B, G, S - T, D) + (B, G, T, D)
-                    torch.cat([self._v[:, :, :start], v], dim=2))
-        return self._k[:, :, :needed], self._v[:, :, :needed]
+            return CachedKeys(torch.cat([self._k[:, :, :start], k], dim=2),  # (B, G, S - T, D) + (B, G, T, D)
+                              torch.cat([self._v[:, :, :start], v], dim=2), held)
+        return CachedKeys(self._k[:, :, :needed], self._v[:, :, :needed], held)
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, G, T, D) after the slots held; return all keys and values held."""
+        keys = self.update(k, v, None)
+        return keys.k, keys.v
+
+
+class StaticKVCache(_Ownership):
+    """Preallocated keys and values for one layer: position p is stored in slot p (``torch.compile`` friendly).
+
+    Args:
+        capacity: positions 0 .. capacity - 1 fit; storage (B, G, capacity, D)
+            is allocated at the first call.
+
+    Every call attends over all ``capacity`` slots (and one more, where
+    padding, position -1, is written and never seen) with a mask from each
+    slot's position (-1 while empty), so the shapes of a decoding step never
+    change and one compiled graph serves every step. Rows may sit at
+    different positions. For inference only (no gradients reach the keys).
+    """
+
+    _kind = "StaticKVCache"
+
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got capacity={capacity!r}")
+        self.capacity = capacity
+        self.k: Tensor | None = None  # (B, G, capacity, D)
+        self.v: Tensor | None = None
+        self.positions: Tensor | None = None  # (B, capacity + 1) long, -1 = empty; the last slot takes padding
+        self._owner: int | None = None
+
+    def __repr__(self) -> str:
+        shape = None if self.k is None else tuple(self.k.shape)
+        return f"StaticKVCache(capacity={self.capacity}, shape={shape})"
+
+    def reset(self) -> None:
+        """Forget every position (keeps the storage) and the layer it belonged to."""
+        if self.positions is not None:
+            self.positions.fill_(-1)
+        self._owner = None
+
+    def claim(self, owner: object) -> tuple[Any, ...]:
+        before = self._claim_owner(owner)
+        return (before, None if self.positions is None else self.positions.clone())
+
+    def restore(self, checkpoint: tuple[Any, ...]) -> None:
+        self._owner, positions = checkpoint
+        if positions is None:
+            self.k = self.v = self.positions = None
+        elif self.positions is not None:
+            self.positions.copy_(positions)  # slots written since are empty again
+
+    def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor:
+        if self.positions is None:
+            return 0
+        last = self.positions.amax(dim=1, keepdim=True)  # (B, 1), -1 when empty
+        return last + 1 + torch.arange(length, device=last.device)  # (B, T)
+
+    def _allocate(self, k: Tensor, v: Tensor) -> None:
+        b, g, _, d = k.shape
+        with torch.inference_mode(False):
+            self.k = k.new_zeros(b, g, self.capacity + 1, d)
+            self.v = v.new_zeros(b, g, self.capacity + 1, v.shape[3])
+            self.positions = torch.full((b, self.capacity + 1), -1, dtype=torch.long, device=k.device)
+
+    def _check(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise ValueError("StaticKVCache is for inference: call under torch.no_grad() or "
+                             "torch.inference_mode(), or use KVCache, which keeps gradients")
+        assert self.k is not None and self.v is not None and self.positions is not None
+        if (k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device) != (
+                self.k.shape[0], self.k.shape[1], self.k.shape[3], self.k.dtype, self.k.device):
+            held = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
+            raise ValueError(f"this cache holds (B, G, D)={held} "
+                             f"{self.k.dtype} on {self.k.device}, got {tuple(k.shape)} {k.dtype} on {k.device}")
+        if torch.compiler.is_compiling():
+            return
+        if int(positions.max()) >= self.capacity:
+            raise ValueError(f"StaticKVCache capacity {self.capacity} exceeded: position {int(positions.max())}")
+        _refuse_repeats(self.positions, self.capacity + 1, positions)
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
+        """Write k, v (B, G, T, D) into the slots ``positions`` (B, T); return every slot and its position.
+
+        A -1 position (padding) is written to a spare slot that no query sees.
+        """
+        if self.k is None:
+            self._allocate(k, v)
+        if positions is None:
+            at = self.next_positions(k.shape[0], k.shape[2], k.device)
+            positions = torch.arange(k.shape[2], device=k.device).expand(k.shape[0], -1) if isinstance(at, int) else at
+        assert self.k is not None and self.v is not None and self.positions is not None
+        self._check(k, v, positions)
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+        slots = positions.masked_fill(positions < 0, self.capacity)  # (B, T): padding goes to the spare slot
+        self.k[rows, :, slots] = k.transpose(1, 2)  # (B, G, T, D) -> (B, T, G, D) into slots (B, T)
+        self.v[rows, :, slots] = v.transpose(1, 2)
+        self.positions[rows, slots] = positions  # the spare slot stays -1
+        return CachedKeys(self.k, self.v, self.positions)
