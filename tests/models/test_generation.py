@@ -348,3 +348,31 @@ def test_a_tiny_temperature_samples_the_greedy_token_and_infinity_is_refused(tin
     torch.testing.assert_close(tiny32.generate(ids, max_new_tokens=4, temperature=1e-40, seed=0, stop_ids=[]), greedy)
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         tiny32.generate(ids, max_new_tokens=1, temperature=float("inf"))
+
+
+def test_the_compiled_decode_step_equals_the_eager_one(tiny64: Any) -> None:
+    """generate(compile=True): one fullgraph graph per step over static caches, the same tokens as eager."""
+    batch = tiny64.tokenize(["the sin", "a", "the the a sin in"])
+    for options in (dict(), dict(temperature=2.0, top_k=20, seed=[4, 5, 6])):
+        eager = tiny64.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, stop_ids=[], **options)
+        compiled = tiny64.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, stop_ids=[],
+                                   compile=True, **options)
+        assert torch.equal(compiled, eager), options
+
+
+def test_the_decode_step_compiles_without_graph_breaks(tiny64: Any) -> None:
+    """A host sync (bool(done.all()), .item(), a Python branch on a tensor) inside the step breaks the graph."""
+    from attnkit.models.generation import DecodeState, decode_step
+    from attnkit.models.sampling import Sampler
+
+    caches = tiny64.new_caches(16, static=True)
+    ids = tiny64.tokenize("the sin")["input_ids"]
+    with torch.inference_mode():
+        tiny64.step(ids, torch.arange(ids.shape[1])[None], caches)
+        zeros = torch.zeros(1, dtype=torch.long)
+        state = DecodeState(ids[:, -1], torch.tensor([ids.shape[1]]), zeros.bool(), zeros)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(decode_step)(tiny64, caches, state, Sampler(1.0), zeros,
+                                                        torch.tensor([0]))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
