@@ -297,7 +297,8 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
         put(new + "attention.out_proj.weight", torch.from_numpy(file.tensor(names["attn_output"])))
         put(new + "attention_norm.weight", torch.from_numpy(file.tensor(names["attn_norm"])))
         put(new + "mlp_norm.weight", torch.from_numpy(file.tensor(names["ffn_norm"])))
-        put(new + "mlp.gate_up_proj.weight", _fuse(file, (names["ffn_gate"], names["ffn_up"]), (None, None)))
+        gate_up = _fuse(file, (names["ffn_gate"], names["ffn_up"]), (None, None))  # (2I, C)
+        out[new + "mlp.gate_up_proj.weight"] = transposed_storage(gate_up.to(dtype))
         put(new + "mlp.down_proj.weight", torch.from_numpy(file.tensor(names["ffn_down"])))
         if progress is not None:
             progress(i + 1, total)
