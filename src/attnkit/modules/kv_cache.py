@@ -29,12 +29,11 @@ Legend: B batch, G key/value heads, T new positions, S positions held, D head di
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
-
-import weakref
 
 import torch
 from torch import Tensor
