@@ -305,25 +305,47 @@ def stream_text(model: CausalLM, decode: Callable[[list[int]], str], input_ids: 
     return _pieces(steps, decode)
 
 
-def _pieces(steps: Iterator[Tensor], decode: Callable[[list[int]], str]) -> Iterator[str]:
-    """New text per token, decoding only a short window of ids each time (linear in the answer's length).
+class IncrementalDecoder:
+    """Text of a growing list of token ids, new text only, decoding a short window each time.
 
-    The window starts at the tokens of the last piece shown, so a decoder that
-    drops a leading space at the start of a text still sees what precedes the
-    new tokens; a piece is held back while it ends in an incomplete character.
+    The window starts at the tokens of the last piece returned, so a decoder
+    that drops a leading space at the start of a text still sees what precedes
+    the new tokens; text is held back while it ends in an incomplete
+    character. Linear in the answer's length.
     """
-    ids: list[int] = []
-    start = shown = 0  # ids[start:shown] were last shown; ids[shown:] are not yet
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self._start = self._shown = 0  # ids[start:shown] were last returned; ids[shown:] not yet
+
+    def add(self, token: int) -> str:
+        """Append one id; the text it completes ("" while a character is incomplete)."""
+        self.ids.append(token)
+        return self._take(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        return self._take(final=True)
+
+    def _take(self, *, final: bool) -> str:
+        before, after = self.decode(self.ids[self._start : self._shown]), self.decode(self.ids[self._start :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._start, self._shown = self._shown, len(self.ids)
+        return after[len(before) :]
+
+
+def _pieces(steps: Iterator[Tensor], decode: Callable[[list[int]], str]) -> Iterator[str]:
+    """New text per token of a single row (see :class:`IncrementalDecoder`)."""
+    text = IncrementalDecoder(decode)
     for token in steps:
-        ids.append(int(token[0]))
-        before, after = decode(ids[start:shown]), decode(ids[start:])
-        if after.endswith("\ufffd") or len(after) <= len(before):  # an incomplete character, or nothing new
-            continue
-        yield after[len(before):]
-        start, shown = shown, len(ids)
-    before, after = decode(ids[start:shown]), decode(ids[start:])
-    if len(after) > len(before):
-        yield after[len(before):]
+        piece = text.add(int(token[0]))
+        if piece:
+            yield piece
+    rest = text.flush()
+    if rest:
+        yield rest
 
 
 class Tokenizer(Protocol):

@@ -1,0 +1,104 @@
+"""A paged KV cache: one pool of fixed-size blocks per layer, read through each sequence's block table.
+
+Storage per layer is ``(num_blocks * block_size + 1, G, D)`` slots (the last
+one takes padding and is never read). Position p of a sequence lives in slot
+``table[p // block_size] * block_size + p % block_size``. Which blocks a
+sequence holds is :class:`attnkit.serve.blocks.BlockManager`'s business; this
+module only moves tensors.
+
+For each forward, the engine describes the batch once (:class:`PagedBatch`:
+where each new token is written, which slots each row reads, at which
+positions), and every layer's :class:`PagedLayerCache` uses it through the
+cache protocol of :mod:`attnkit.modules.kv_cache`, so the decoder and
+``MultiHeadAttention`` run unchanged. Reading gathers each row's slots into a
+contiguous (B, G, S, D) tensor, then attends with the usual kernels.
+
+Legend: B sequences in the batch, T new tokens per row, S positions read per
+row, G key/value heads, D head dim, N slots in the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit.modules.kv_cache import CachedKeys
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """Where one forward writes and what it reads, shared by every layer."""
+
+    write_slots: Tensor  # (B, T) long: the slot of each new token (padding: the spare slot)
+    read_slots: Tensor  # (B, S) long: the slots each row attends to (beyond a row's length: the spare slot)
+    key_positions: Tensor  # (B, S) long: each read slot's position, -1 = nothing there
+
+    @classmethod
+    def build(cls, tables: Sequence[Sequence[int]], positions: Tensor, lengths: Sequence[int], block_size: int,
+              spare: int) -> PagedBatch:
+        """The batch of rows with block ``tables``, new tokens at ``positions`` (B, T; -1 = padding),
+        each row holding ``lengths[b]`` positions once they are written."""
+        device = positions.device
+        width = max(len(t) for t in tables)
+        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+        s = max(lengths)
+        pos = torch.arange(s, device=device)  # (S,)
+        read = table[:, pos // block_size] * block_size + pos % block_size  # (B, S)
+        valid = pos[None, :] < torch.tensor(list(lengths), device=device)[:, None]  # (B, S)
+        rows = torch.arange(len(tables), device=device)[:, None]  # (B, 1)
+        clamped = positions.clamp(min=0)
+        write = table[rows, clamped // block_size] * block_size + clamped % block_size  # (B, T)
+        return cls(write.masked_fill(positions < 0, spare), read.masked_fill(~valid, spare),
+                   torch.where(valid, pos, -1))
+
+
+class PagedKVPool:
+    """Keys and values of every layer: ``num_blocks`` blocks of ``block_size`` positions each."""
+
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.spare = num_blocks * block_size  # the slot padding is written to
+        shape = (self.spare + 1, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.batch: PagedBatch | None = None
+        self.layers = [PagedLayerCache(self, i) for i in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        """Memory one block takes over every layer (keys and values)."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class PagedLayerCache:
+    """One layer's view of the pool: the cache protocol over the current :class:`PagedBatch`."""
+
+    def __init__(self, pool: PagedKVPool, layer: int) -> None:
+        self.pool, self.layer = pool, layer
+
+    def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor:
+        raise ValueError("a paged cache needs explicit positions (the engine gives them)")
+
+    def claim(self, owner: object) -> None:
+        """Nothing to save: a forward that fails is discarded with its sequences by the engine."""
+
+    def restore(self, checkpoint: object) -> None:
+        """See :meth:`claim`."""
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
+        """Write k, v (B, G, T, D) to the batch's slots; return every row's keys (B, G, S, D) and positions."""
+        batch = self.pool.batch
+        if batch is None or positions is None:
+            raise ValueError("a paged cache is read through a PagedBatch with explicit positions")
+        keys, values = self.pool.k[self.layer], self.pool.v[self.layer]  # (N, G, D)
+        slots = batch.write_slots.reshape(-1)  # (B * T,)
+        keys.index_copy_(0, slots, k.transpose(1, 2).reshape(-1, *keys.shape[1:]))  # (B, G, T, D) -> (B*T, G, D)
+        values.index_copy_(0, slots, v.transpose(1, 2).reshape(-1, *values.shape[1:]))
+        k_all = keys[batch.read_slots].transpose(1, 2)  # (B, S, G, D) -> (B, G, S, D)
+        v_all = values[batch.read_slots].transpose(1, 2)
+        return CachedKeys(k_all, v_all, batch.key_positions)

@@ -1,0 +1,93 @@
+"""Block bookkeeping: reference counts, prefix hashes, LRU reuse, and the anchors' known bugs."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnkit.serve.blocks import BlockManager
+
+
+def test_a_common_prefix_of_full_blocks_is_shared_once_written() -> None:
+    m = BlockManager(10, 4)
+    a = m.allocate(list(range(10)))  # 2 full blocks + 2 tokens
+    assert a is not None and a.cached_tokens == 0 and len(a.blocks) == 3
+    m.written(a.blocks, 10, list(range(10)))
+    b = m.allocate([*range(8), 99, 98, 97])
+    assert b is not None and b.cached_tokens == 8 and b.blocks[:2] == a.blocks[:2] and b.blocks[2] != a.blocks[2]
+    assert m.refs[a.blocks[0]] == 2 and m.hit_tokens == 8
+
+
+def test_two_prompts_with_the_same_new_prefix_in_one_step_do_not_duplicate_blocks() -> None:
+    """The second waits until the first has written the shared blocks, then shares them."""
+    m = BlockManager(10, 4)
+    tokens = list(range(9))
+    first = m.allocate(tokens)
+    assert first is not None
+    assert m.allocate(tokens) is None  # its blocks are registered but not written yet: wait, do not duplicate
+    m.written(first.blocks, 9, tokens)
+    second = m.allocate(tokens)
+    assert second is not None and second.blocks[:2] == first.blocks[:2]
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_block() -> None:
+    """Nothing left to prefill would leave no logits to sample from."""
+    m = BlockManager(10, 4)
+    tokens = list(range(8))
+    first = m.allocate(tokens)
+    assert first is not None
+    m.written(first.blocks, 8, tokens)
+    again = m.allocate(tokens)
+    assert again is not None and again.cached_tokens == 4 and again.blocks[0] == first.blocks[0]
+    assert again.blocks[1] != first.blocks[1]
+
+
+def test_released_blocks_stay_reusable_until_evicted_and_no_stale_hash_survives() -> None:
+    m = BlockManager(3, 2)
+    a = m.allocate([1, 2, 3, 4])
+    assert a is not None
+    m.written(a.blocks, 4, [1, 2, 3, 4])
+    m.release(a.blocks)
+    assert m.free_blocks == 3
+    hit = m.allocate([1, 2, 3, 4, 5])  # still cached after release
+    assert hit is not None and hit.cached_tokens == 4
+    m.release(hit.blocks)
+    other = m.allocate([7, 8, 9, 10, 11, 12])  # needs every block: the cached ones are evicted
+    assert other is not None and other.cached_tokens == 0
+    m.written(other.blocks, 6, [7, 8, 9, 10, 11, 12])
+    m.release(other.blocks)
+    stale = m.allocate([1, 2, 3, 4])  # its old blocks now hold other tokens: no hit
+    assert stale is not None and stale.cached_tokens == 0
+
+
+def test_a_released_block_that_was_never_written_is_not_a_hit() -> None:
+    """A preempted sequence's registered-but-unwritten blocks must not be reused as if they held its tokens."""
+    m = BlockManager(6, 2)
+    a = m.allocate([1, 2, 3, 4])
+    assert a is not None
+    m.release(a.blocks)  # preempted before its prefill ran
+    b = m.allocate([1, 2, 3, 4])
+    assert b is not None and b.cached_tokens == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=12), st.booleans()), max_size=12))
+def test_every_block_is_either_free_or_referenced(requests: list[tuple[list[int], bool]]) -> None:
+    """Reference counts and the free pool stay consistent under any order of allocation and release."""
+    m = BlockManager(8, 2)
+    held = []
+    for tokens, release_one in requests:
+        got = m.allocate(tokens, reserve=1)
+        if got is not None:
+            m.written(got.blocks, len(tokens), tokens)
+            held.append(got.blocks)
+        if release_one and held:
+            m.release(held.pop(0))
+    counted = [0] * 8
+    for blocks in held:
+        for b in blocks:
+            counted[b] += 1
+    assert counted == m.refs
+    assert set(m.pool) == {b for b in range(8) if m.refs[b] == 0}
+    for h, b in m.by_hash.items():
+        assert m.hashes[b] == h  # no stale entry

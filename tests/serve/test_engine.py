@@ -1,0 +1,174 @@
+"""The paged cache and the engine on a tiny float64 decoder: every answer equals generate() of that prompt alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from attnkit.models import LlamaConfig, LlamaModel
+from attnkit.serve import Engine, PagedBatch, PagedKVPool, SamplingParams
+from attnkit.serve.engine import Event
+
+
+def _model() -> LlamaModel:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
+                         context_length=128)
+    model = LlamaModel(config).double().eval()
+    model.stop_token_ids = ()
+    return model
+
+
+def _decode(ids: list[int]) -> str:
+    return "".join(f"<{i}>" for i in ids)
+
+
+def _engine(model: LlamaModel, **options: Any) -> Engine:
+    options.setdefault("kv_memory_mib", 1)
+    return Engine(model, _decode, block_size=4, **options)
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[list[int], str]]:
+    """Submit every prompt, step until all finish; (token ids, finish reason) of each."""
+    results: list[tuple[list[int], str]] = [([], "") for _ in prompts]
+
+    def collect(i: int) -> Any:
+        def on_event(event: Event) -> None:
+            results[i][0].extend(event.token_ids)
+            if event.finish_reason:
+                results[i] = (results[i][0], event.finish_reason)
+        return on_event
+
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.submit(prompt, p, collect(i))
+    for _ in range(10_000):
+        if not engine.running and not engine.waiting:
+            break
+        engine.step()
+    return results
+
+
+def _alone(model: LlamaModel, prompt: list[int], p: SamplingParams) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=p.max_tokens, temperature=p.temperature,
+                         top_p=p.top_p, seed=p.seed, stop_ids=[])
+    return out[0, len(prompt):].tolist()
+
+
+def test_paged_cache_equals_the_contiguous_cache_float64() -> None:
+    """Rows with their own block tables, written in chunks, read back as the full forward sees them."""
+    model = _model()
+    pool = PagedKVPool(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float64)
+    ids = torch.randint(0, 50, (2, 11))
+    tables = [[5, 2, 9], [0, 7, 3]]  # scattered blocks
+    out = []
+    with torch.no_grad():
+        full = model(ids)
+        for start, end in ((0, 6), (6, 7), (7, 11)):
+            positions = torch.arange(start, end).expand(2, -1)
+            pool.batch = PagedBatch.build(tables, positions, [end, end], 4, pool.spare)
+            out.append(model(ids[:, start:end], kv_caches=pool.layers, positions=positions))
+    torch.testing.assert_close(torch.cat(out, 1), full, atol=1e-9, rtol=1e-9)
+
+
+def test_concurrent_greedy_and_seeded_answers_equal_generate_alone() -> None:
+    model = _model()
+    engine = _engine(model, max_batch=4)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (3, 9, 17, 5, 12, 6)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0) if i % 2 else
+              SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, seed=i) for i in range(len(prompts))]
+    results = _run(engine, prompts, params)
+    for prompt, p, (tokens, reason) in zip(prompts, params, results, strict=True):
+        assert tokens == _alone(model, prompt, p) and reason == "length"
+    assert engine.blocks.free_blocks == engine.blocks.num_blocks  # every block back in the pool
+
+
+def test_a_shared_prefix_is_reused_and_answers_do_not_change() -> None:
+    model = _model()
+    engine = _engine(model)
+    system = list(range(1, 17))  # four full blocks
+    prompts = [system + [20, 21], system + [30]]
+    p = SamplingParams(max_tokens=6, temperature=0.0)
+    cold = _run(engine, prompts[:1], [p])
+    warm = _run(engine, prompts, [p, p])
+    assert engine.blocks.hit_tokens >= 2 * 16  # the system prompt came from the cache, twice
+    assert cold[0][0] == warm[0][0] == _alone(model, prompts[0], p)
+    assert warm[1][0] == _alone(model, prompts[1], p)
+
+
+def test_a_fully_cached_prompt_still_answers() -> None:
+    model = _model()
+    engine = _engine(model)
+    prompt, p = list(range(1, 13)), SamplingParams(max_tokens=5, temperature=0.0)
+    first = _run(engine, [prompt], [p])
+    second = _run(engine, [prompt], [p])
+    assert first[0][0] == second[0][0] == _alone(model, prompt, p)
+
+
+def test_preemption_under_tiny_memory_still_answers_every_request_correctly() -> None:
+    model = _model()
+    per_block = PagedKVPool.bytes_per_block(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
+                                            dtype=torch.float64)
+    engine = _engine(model, kv_memory_mib=14 * per_block / 2**20, max_batch=6)  # 14 blocks for 6 sequences
+    prompts = [[i + 1] * 9 for i in range(6)]
+    p = SamplingParams(max_tokens=10, temperature=0.0)
+    results = _run(engine, prompts, [p] * 6)
+    assert engine.stats["preemptions_total"] > 0
+    for prompt, (tokens, _) in zip(prompts, results, strict=True):
+        assert tokens == _alone(model, prompt, p)
+    assert engine.blocks.free_blocks == engine.blocks.num_blocks
+
+
+def test_cancelling_frees_blocks_at_the_next_step() -> None:
+    model = _model()
+    engine = _engine(model)
+    events: list[Event] = []
+    seq = engine.submit(list(range(1, 10)), SamplingParams(max_tokens=50, temperature=0.0), events.append)
+    engine.step()
+    engine.step()
+    assert engine.blocks.free_blocks < engine.blocks.num_blocks
+    engine.cancel(seq)
+    engine.step()
+    assert engine.blocks.free_blocks == engine.blocks.num_blocks and not engine.running
+    assert events[-1].finish_reason == "cancelled"
+
+
+def test_stop_strings_end_an_answer_and_are_not_shown() -> None:
+    model = _model()
+    engine = _engine(model)
+    prompt, p = [3, 4, 5], SamplingParams(max_tokens=12, temperature=0.0)
+    tokens = _alone(model, prompt, p)
+    k = next(k for k in range(1, 12) if f"<{tokens[k]}>" not in _decode(tokens[:k]))  # a token not seen before
+    stop = f"<{tokens[k]}>"
+    texts: list[str] = []
+    reasons: list[str | None] = []
+
+    def on_event(event: Event) -> None:
+        texts.append(event.text)
+        reasons.append(event.finish_reason)
+
+    engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,)), on_event)
+    while engine.running or engine.waiting:
+        engine.step()
+    assert "".join(texts) == _decode(tokens[:k]) and reasons[-1] == "stop"
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "message"), [
+    ([], 4, "the prompt is empty"),
+    (list(range(1, 30)) * 4, 20, "more than the context window of 128"),
+])
+def test_requests_that_can_never_fit_are_refused_at_once(prompt: list[int], max_tokens: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _engine(_model()).submit(prompt, SamplingParams(max_tokens=max_tokens), lambda e: None)
+
+
+def test_a_full_queue_is_refused() -> None:
+    from attnkit.serve import QueueFullError
+
+    engine = _engine(_model(), max_waiting=2)
+    for _ in range(2):
+        engine.submit([1, 2], SamplingParams(max_tokens=2), lambda e: None)
+    with pytest.raises(QueueFullError):
+        engine.submit([1, 2], SamplingParams(max_tokens=2), lambda e: None)
