@@ -89,7 +89,7 @@ def test_a_shared_prefix_is_reused_and_answers_do_not_change() -> None:
     model = _model()
     engine = _engine(model)
     system = list(range(1, 17))  # four full blocks
-    prompts = [system + [20, 21], system + [30]]
+    prompts = [[*system, 20, 21], [*system, 30]]
     p = SamplingParams(max_tokens=6, temperature=0.0)
     cold = _run(engine, prompts[:1], [p])
     warm = _run(engine, prompts, [p, p])
@@ -138,7 +138,7 @@ def test_cancelling_frees_blocks_at_the_next_step() -> None:
 def test_stop_strings_end_an_answer_and_are_not_shown() -> None:
     model = _model()
     engine = _engine(model)
-    prompt, p = [3, 4, 5], SamplingParams(max_tokens=12, temperature=0.0)
+    prompt, p = [3, 4, 5], SamplingParams(max_tokens=12, temperature=2.0, seed=3)  # sampled: varied tokens
     tokens = _alone(model, prompt, p)
     k = next(k for k in range(1, 12) if f"<{tokens[k]}>" not in _decode(tokens[:k]))  # a token not seen before
     stop = f"<{tokens[k]}>"
@@ -149,7 +149,7 @@ def test_stop_strings_end_an_answer_and_are_not_shown() -> None:
         texts.append(event.text)
         reasons.append(event.finish_reason)
 
-    engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,)), on_event)
+    engine.submit(prompt, SamplingParams(max_tokens=12, temperature=2.0, seed=3, stop=(stop,)), on_event)
     while engine.running or engine.waiting:
         engine.step()
     assert "".join(texts) == _decode(tokens[:k]) and reasons[-1] == "stop"
