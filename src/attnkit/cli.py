@@ -4,6 +4,7 @@
     attnkit bench [--quick]      speed and memory beside the alternatives (--suite generate / ring)
     attnkit generate PROMPT      SmolLM2 on attnkit layers, streamed (attnkit.models.cli)
     attnkit chat                 a conversation with SmolLM2 (attnkit.models.cli)
+    attnkit serve                an OpenAI-compatible server with a chat page (attnkit.serve.cli)
     attnkit train induction      watch an induction head form (attnkit.train.cli)
 
 Each subcommand parses its options and calls the library (:mod:`attnkit.inspect`,
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from attnkit._optional import MissingDependencyError, require
 from attnkit.models import cli as models_cli
+from attnkit.serve import cli as serve_cli
 from attnkit.train import cli as train_cli
 
 if TYPE_CHECKING:
@@ -175,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     # Subcommands of other floors: each module's add_parser(sub) adds its own (imports kept light).
     models_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     train_cli.add_parser(sub)
     return parser
 

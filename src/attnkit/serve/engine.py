@@ -372,7 +372,7 @@ class Engine:
         rate = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
         with self._lock:
             return {"requests_running": len(self.running), "requests_waiting": len(self.waiting),
-                    "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_free": self.blocks.free_blocks,
+                    "kv_blocks": self.blocks.num_blocks, "kv_blocks_free": self.blocks.free_blocks,
                     "kv_blocks_used": self.blocks.num_blocks - self.blocks.free_blocks,
                     "prefix_cache_hit_tokens_total": self.blocks.hit_tokens, "tokens_per_second": rate,
                     **self.stats}

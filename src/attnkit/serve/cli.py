@@ -1,0 +1,77 @@
+"""``attnkit serve``: a decoder behind an OpenAI-compatible HTTP API, with a chat page at ``/``.
+
+    attnkit serve                          # SmolLM2-135M-Instruct on http://127.0.0.1:8000
+    attnkit serve --gguf model.gguf --port 9000 --api-key secret
+
+Imports stay light: torch, the model and FastAPI load only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from attnkit._optional import require
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand."""
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
+                       description="Serve SmolLM2-135M-Instruct (or a GGUF file) with continuous batching over a "
+                       "paged KV cache: POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, "
+                       "/metrics; a chat page at /. Binds 127.0.0.1 unless --host says otherwise.")
+    p.add_argument("--model", choices=["smollm2"], default="smollm2", help="the packaged model (default smollm2)")
+    p.add_argument("--gguf", metavar="FILE", help="a Llama-architecture GGUF file instead of the packaged model")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default 16)")
+    p.add_argument("--kv-memory", type=float, default=512, metavar="MiB",
+                   help="memory for the KV cache of every layer, in MiB (default 512)")
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV block (default 16)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="most requests waiting; more get HTTP 429 (default 256)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health and /")
+    p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: PyTorch's choice)")
+    p.set_defaults(func=_serve)
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("max_batch", "block_size", "max_waiting"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kv_memory <= 0:
+        raise ValueError(f"--kv-memory must be > 0 MiB, got {args.kv_memory}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _check(args)
+    uvicorn = require("uvicorn", "attnkit serve")
+    require("fastapi", "attnkit serve")
+    import torch
+
+    from attnkit.models.llama import load_gguf, smollm2_path
+
+    from .api import Server, create_app
+    from .engine import Engine
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    path = args.gguf or smollm2_path()
+    model = load_gguf(path)
+    name = "smollm2" if args.gguf is None else str(path).rsplit("/", 1)[-1].removesuffix(".gguf")
+    engine = Engine(model, model.decode, kv_memory_mib=args.kv_memory, block_size=args.block_size,
+                    max_batch=args.max_batch, max_waiting=args.max_waiting)
+    engine.start()
+    server = Server(engine, model.tokenizer, model_name=name, api_key=args.api_key,
+                    context_length=model.context_length)
+    print(f"attnkit serve: {name} on http://{args.host}:{args.port} ({engine.blocks.num_blocks} KV blocks of "
+          f"{args.block_size} positions)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0
