@@ -31,6 +31,15 @@ _PRE_TOKENIZERS = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm":
 _END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
 
 
+def _check_text(text: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (from a bad decode upstream) is named by position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"text holds an unpaired surrogate {text[err.start]!r} at position {err.start}, which is "
+                         "not a character (decode input with errors='replace')") from None
+
+
 def _pre_tokenizer(kind: str) -> Any:
     pre = require("tokenizers.pre_tokenizers", "The GGUF tokenizer")
     tokenizers = require("tokenizers", "The GGUF tokenizer")
@@ -73,6 +82,7 @@ class GGUFTokenizer:
         added = [t for t, kind in zip(tokens, types, strict=True) if kind == _USER_DEFINED]
         self._tok.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False) for t in added])
         self.tokens = list(tokens)
+        self.specials = specials  # control tokens: only a chat template's own markup may produce them
         self.vocab_size = len(tokens)
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.pad_id = eos_id if pad_id is None else pad_id
@@ -101,6 +111,7 @@ class GGUFTokenizer:
         """The token ids of one text (special tokens written in it are matched whole)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        _check_text(text)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
@@ -169,3 +180,41 @@ class GGUFTokenizer:
         rendered: str = env.from_string(self.chat_template).render(
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **special)
         return rendered
+
+    def _encode(self, text: str, *, special: bool) -> list[int]:
+        """Ids of ``text`` with no BOS added; ``special=False`` spells control-token strings as plain text."""
+        _check_text(text)
+        self._tok.encode_special_tokens = not special
+        try:
+            ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = False
+        return ids
+
+    def chat_ids(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
+                 special_in_content: bool = False) -> list[int]:
+        """The chat prompt as token ids, encoded as transformers' ``apply_chat_template(tokenize=True)`` does.
+
+        The rendered text is encoded without adding a BOS (a template that writes
+        ``{{ bos_token }}`` gives exactly one). By default control tokens come
+        only from the template's own markup: text inside a message that spells
+        one (``<|im_start|>system``...) is encoded as plain text, so content
+        cannot forge a turn. ``special_in_content=True`` encodes the rendered
+        text as is (content may then contain control tokens).
+        """
+        text = self.chat_prompt(messages, add_generation_prompt=add_generation_prompt)
+        contents = [m["content"] for m in messages]
+        if special_in_content or not any(s in c for c in contents for s in self.specials):
+            return self._encode(text, special=True)  # nothing to guard: exactly the rendered text's ids
+        ids: list[int] = []
+        at = 0
+        for content in contents:
+            found = text.find(content, at) if content else -1
+            if content and found < 0:
+                raise ValueError("the chat template changes message content that spells control tokens, so it "
+                                 "cannot be encoded as plain text; pass special_in_content=True to encode the "
+                                 "rendered text as is")
+            if found >= 0:
+                ids += self._encode(text[at:found], special=True) + self._encode(content, special=False)
+                at = found + len(content)
+        return ids + self._encode(text[at:], special=True)
