@@ -140,10 +140,16 @@ class Server:
                        f"the prompt has {prompt_len} tokens: no room left in the context window of "
                        f"{self.context_length}")
         limit = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
+        room = min(room, self.engine.capacity - prompt_len)  # what the KV memory can hold besides the prompt
+        if room < 1:
+            raise _bad("messages" if "messages" in body else "prompt",
+                       f"the prompt has {prompt_len} tokens, more than this server's KV memory holds "
+                       f"({self.engine.capacity} positions)")
         if limit is not None and limit > room:
             name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-            raise _bad(name, f"{limit} new tokens do not fit: the prompt has {prompt_len} tokens and the context "
-                             f"window {self.context_length}; ask for at most {room}")
+            raise _bad(name, f"{limit} new tokens do not fit: the prompt has {prompt_len} tokens, the context "
+                             f"window is {self.context_length} and the KV memory {self.engine.capacity} positions; "
+                             f"ask for at most {room}")
         temperature = _number(body, "temperature")
         if temperature is not None and temperature < 0:
             raise _bad("temperature", f"must be >= 0, got {temperature}")
@@ -261,10 +267,17 @@ async def _collect(server: Server, parsed: Parsed, is_disconnected: Callable[[],
         raise
 
 
-async def _stream(server: Server, parsed: Parsed, make_chunk: Callable[[str, str | None, bool], dict[str, Any]],
+def _stream(server: Server, parsed: Parsed, make_chunk: Callable[[str, str | None, bool], dict[str, Any]],
+            usage_chunk: Callable[[dict[str, int]], dict[str, Any]]) -> AsyncIterator[str]:
+    """Submit now (a refusal is still an HTTP error), then stream the request's server-sent events."""
+    seq, queue = server.submit(parsed)
+    return _events(server, parsed, seq, queue, make_chunk, usage_chunk)
+
+
+async def _events(server: Server, parsed: Parsed, seq: Any, queue: asyncio.Queue[Event],
+                  make_chunk: Callable[[str, str | None, bool], dict[str, Any]],
                   usage_chunk: Callable[[dict[str, int]], dict[str, Any]]) -> AsyncIterator[str]:
     """Server-sent events of one request; the engine cancels it if the client goes away (GeneratorExit)."""
-    seq, queue = server.submit(parsed)
     tokens = 0
     try:
         yield _sse(make_chunk("", None, True))

@@ -141,6 +141,11 @@ class Engine:
                       "preemptions_total": 0}
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) of recent steps
 
+    @property
+    def capacity(self) -> int:
+        """The most positions (prompt + answer) one sequence can hold in the KV memory."""
+        return self.blocks.num_blocks * self.blocks.block_size
+
     # -- the other threads' side -------------------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None]) -> Sequence_:

@@ -1,0 +1,73 @@
+"""The chat page at /, driven in headless Chromium: a question streams an answer; Stop stops it."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._util import need
+from tests.models._decoder import need_smollm2
+from tests.serve._server import ServerProcess
+
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+         "--disable-default-apps", "--disable-extensions"]
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ServerProcess]]:
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{CHROMIUM} is missing; scripts/browser.sh installs it")
+        pytest.skip(f"no {CHROMIUM}")
+    need_smollm2()
+    need("fastapi")
+    sync_api = need("playwright.sync_api")
+    server = ServerProcess("--kv-memory", "64", log=tmp_path_factory.mktemp("page") / "server.log")
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            tab = browser.new_page()
+            tab.goto(server.url + "/")
+            yield tab, server
+            browser.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.browser
+def test_a_question_streams_its_answer_into_the_page(page: tuple[Any, ServerProcess]) -> None:
+    tab, _ = page
+    tab.fill("#input", "What is the capital of France?")
+    tab.press("#input", "Enter")
+    tab.wait_for_function("document.querySelector('#send').disabled === false && "
+                          "document.querySelectorAll('.assistant').length === 1 && "
+                          "document.querySelector('.assistant').textContent.length > 0", timeout=60_000)
+    assert tab.text_content(".assistant").strip()  # an answer streamed in (sampled: its words vary)
+    assert tab.text_content(".user") == "What is the capital of France?"
+
+
+@pytest.mark.browser
+def test_stop_ends_the_answer_and_new_chat_forgets_it(page: tuple[Any, ServerProcess]) -> None:
+    tab, server = page
+    tab.fill("#input", "Write a very long story about a lighthouse keeper and the sea.")
+    tab.click("#send")
+    tab.wait_for_function("document.querySelectorAll('.assistant').length === 2 && "
+                          "document.querySelectorAll('.assistant')[1].textContent.length > 20", timeout=60_000)
+    tab.click("#stop")
+    tab.wait_for_selector("text=(stopped)", timeout=10_000)
+    shown = tab.eval_on_selector_all(".assistant", "els => els[1].textContent")
+    time.sleep(0.5)
+    assert tab.eval_on_selector_all(".assistant", "els => els[1].textContent") == shown  # nothing more arrives
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and server.metrics()["requests_running"]:
+        time.sleep(0.1)
+    assert server.metrics()["requests_running"] == 0  # the server cancelled it too
+    tab.click("#new")
+    assert tab.eval_on_selector_all(".msg", "els => els.map(e => e.textContent)") == ["New conversation"]
