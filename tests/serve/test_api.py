@@ -26,7 +26,7 @@ need("uvicorn")
 openai = need("openai")
 httpx = need("httpx")
 
-from tests.serve._server import ServerProcess  # noqa: E402
+from attnkit.bench.serve import ServerProcess  # noqa: E402
 
 SYSTEM = ("You are a helpful assistant for a small bakery in Lyon. Answer briefly and kindly, in English, and "
           "never invent prices: say you will check with the baker instead.")
@@ -39,7 +39,7 @@ QUESTIONS = ["What is bread?", "Name a French cake.", "Is it open on Sunday?", "
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     need_smollm2()
-    process = ServerProcess("--kv-memory", "96", "--max-batch", "16", "--api-key", "test-key",
+    process = ServerProcess.attnkit("--kv-memory", "96", "--max-batch", "16", "--api-key", "test-key",
                             log=tmp_path_factory.mktemp("serve") / "server.log")
     yield process
     process.stop()
@@ -196,7 +196,7 @@ def test_malformed_json_oversized_bodies_and_keys(server: ServerProcess) -> None
 def test_preemption_under_tiny_kv_memory_still_answers_correctly(tmp_path: Path) -> None:
     """6 requests of ~40 tokens each in room for about 3: the newest are preempted and recomputed later."""
     need_smollm2()
-    server = ServerProcess("--kv-memory", "9", "--max-batch", "6", log=tmp_path / "server.log")  # 12 blocks
+    server = ServerProcess.attnkit("--kv-memory", "9", "--max-batch", "6", log=tmp_path / "server.log")  # 12 blocks
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from attnkit.bench.serve import ServerProcess
 from tests._util import need
 from tests.models._decoder import need_smollm2
-from tests.serve._server import ServerProcess
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
@@ -29,7 +29,7 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Server
     need_smollm2()
     need("fastapi")
     sync_api = need("playwright.sync_api")
-    server = ServerProcess("--kv-memory", "64", log=tmp_path_factory.mktemp("page") / "server.log")
+    server = ServerProcess.attnkit("--kv-memory", "64", log=tmp_path_factory.mktemp("page") / "server.log")
     try:
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)

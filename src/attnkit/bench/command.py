@@ -85,7 +85,13 @@ def _ring(options: Options) -> list[Row]:
     return rows + memory_slope_rows(rows)
 
 
-ROW_SUITES: dict[str, Callable[[Options], list[Row]]] = {"generate": _generate, "ring": _ring}
+def _serve(options: Options) -> list[Row]:
+    from .serve import run_serve_suite
+
+    return run_serve_suite()
+
+
+ROW_SUITES: dict[str, Callable[[Options], list[Row]]] = {"generate": _generate, "ring": _ring, "serve": _serve}
 
 
 def _generate_plot(rows: list[Row], out: Path) -> list[Path]:
@@ -95,7 +101,13 @@ def _generate_plot(rows: list[Row], out: Path) -> list[Path]:
 
 
 # Row suites that also draw their rows: name -> function(rows, folder) -> files written.
-ROW_PLOTS: dict[str, Callable[[list[Row], Path], list[Path]]] = {"generate": _generate_plot}
+def _serve_plot(rows: list[Row], out: Path) -> list[Path]:
+    from .serve import plot
+
+    return plot(rows, out)
+
+
+ROW_PLOTS: dict[str, Callable[[list[Row], Path], list[Path]]] = {"generate": _generate_plot, "serve": _serve_plot}
 
 
 def suite_names() -> list[str]:

