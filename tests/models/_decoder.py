@@ -112,7 +112,7 @@ def need_smollm2() -> Path:
     need("gguf")
     need("tokenizers")
     need("jinja2")
-    from attnkit.models.llama import smollm2_path
+    from attnkit.models.loader import smollm2_path
 
     return smollm2_path()
 

@@ -41,7 +41,7 @@ def test_chat_ids_of_ordinary_content_are_the_rendered_texts_ids() -> None:
 def test_a_template_that_writes_the_bos_gives_one_bos() -> None:
     """Llama 3 files: the template writes {{ bos_token }} and the tokenizer adds one too: two BOS."""
     from attnkit.models.gguf import read_gguf
-    from attnkit.models.llama import smollm2_path
+    from attnkit.models.loader import smollm2_path
     from attnkit.models.tokenizer import GGUFTokenizer
 
     metadata = dict(read_gguf(smollm2_path()).metadata)

@@ -94,7 +94,7 @@ def _median_rates(runs: list[tuple[float, float]]) -> tuple[float, float]:
 
 def _load_hf(dtype: str) -> Any:
     """transformers' LlamaForCausalLM from the same GGUF file, in ``dtype``."""
-    from attnkit.models.llama import smollm2_path
+    from attnkit.models.loader import smollm2_path
 
     transformers = require("transformers", "The generate benchmark's transformers contender")
     path = smollm2_path()
@@ -208,7 +208,8 @@ def _measure_peak(contender: str, prompt_len: int, new_tokens: int) -> dict[str,
     """
     from attnkit.models import load_smollm2
     from attnkit.models.gguf import read_gguf
-    from attnkit.models.llama import LlamaConfig, smollm2_path
+    from attnkit.models.llama import LlamaConfig
+    from attnkit.models.loader import smollm2_path
     from attnkit.models.tokenizer import GGUFTokenizer
 
     kind, dtype = contender.split("-", 1)

@@ -185,7 +185,8 @@ def llama_server_path() -> str | None:
 
 def _kv_bytes_per_position(dtype_bytes: int) -> int:
     from attnkit.models.gguf import read_gguf
-    from attnkit.models.llama import LlamaConfig, smollm2_path
+    from attnkit.models.llama import LlamaConfig
+    from attnkit.models.loader import smollm2_path
 
     config = LlamaConfig.from_metadata(read_gguf(smollm2_path()).metadata)
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
@@ -220,7 +221,7 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
 
     import torch
 
-    from attnkit.models.llama import smollm2_path
+    from attnkit.models.loader import smollm2_path
 
     work = Path(workdir or tempfile.mkdtemp(prefix="attnkit-serve-bench-"))
     env = {"threads": threads, "cpu_capability": torch.backends.cpu.get_cpu_capability()}

@@ -38,16 +38,21 @@ class RotaryEmbedding(nn.Module):
     positions each call needs, in float64 (float32 on devices without it)
     whatever the input dtype, so half-precision layers keep exact positions.
     ``forward(q, k, offset=n)`` rotates q and k (B, H, T, D) as positions
-    n .. n + T - 1, as a KV cache holding n positions needs.
+    n .. n + T - 1, as a KV cache holding n positions needs. ``scaling`` > 1 is
+    linear position interpolation: every position is divided by it (a model
+    trained with ``rope_scaling={"rope_type": "linear", "factor": scaling}``).
     """
 
-    def __init__(self, head_dim: int, *, base: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, *, base: float = 10000.0, scaling: float = 1.0) -> None:
         super().__init__()
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise ValueError(f"RotaryEmbedding needs a positive even head_dim, got head_dim={head_dim!r}")
         if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
             raise ValueError(f"RotaryEmbedding base must be > 1, got base={base!r} (expected a finite number)")
-        self.head_dim, self.base = head_dim, float(base)
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not (
+                math.isfinite(scaling) and scaling > 0):
+            raise ValueError(f"RotaryEmbedding scaling must be a finite number > 0, got scaling={scaling!r}")
+        self.head_dim, self.base, self.scaling = head_dim, float(base), float(scaling)
         self._last: tuple[tuple[object, ...], tuple[Tensor, Tensor]] | None = None  # see _angles_at
 
     def __getstate__(self) -> dict[str, object]:
@@ -58,7 +63,7 @@ class RotaryEmbedding(nn.Module):
         compute = torch.float32 if positions.device.type == "mps" else torch.float64
         exponents = torch.arange(0, self.head_dim, 2, dtype=compute, device=positions.device) / self.head_dim
         inv_freq = self.base**-exponents  # (D/2,)
-        angles = positions.to(compute)[:, None] * inv_freq[None, :]  # (T, D/2)
+        angles = (positions.to(compute) / self.scaling)[:, None] * inv_freq[None, :]  # (T, D/2)
         angles = torch.cat((angles, angles), dim=-1)  # (T, D/2) -> (T, D)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -77,7 +82,8 @@ class RotaryEmbedding(nn.Module):
         """
         if torch.compiler.is_compiling():  # the graph computes them; no Python-side state
             return self._signed(torch.arange(offset, offset + length, device=device), dtype)
-        key = (offset, length, dtype, device, torch.is_inference_mode_enabled(), self.head_dim, self.base)
+        key = (offset, length, dtype, device, torch.is_inference_mode_enabled(), self.head_dim, self.base,
+               self.scaling)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         angles = self._signed(torch.arange(offset, offset + length, device=device), dtype)
@@ -101,4 +107,5 @@ class RotaryEmbedding(nn.Module):
         return _apply(q, cos, sin), _apply(k, cos.to(k.dtype), sin.to(k.dtype))  # .to is free for the same dtype
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base:g}"
+        scaling = "" if self.scaling == 1 else f", scaling={self.scaling:g}"
+        return f"head_dim={self.head_dim}, base={self.base:g}{scaling}"

@@ -69,7 +69,7 @@ def _stderr() -> Any:
 def _load(args: argparse.Namespace, console: Any) -> LlamaModel:
     import torch
 
-    from attnkit.models.llama import load_gguf, smollm2_path
+    from attnkit.models.loader import load_gguf, smollm2_path
 
     rich_progress = require("rich.progress", "attnkit generate")
     path = args.gguf if args.gguf else smollm2_path()

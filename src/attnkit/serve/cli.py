@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     require("fastapi", "attnkit serve")
     import torch
 
-    from attnkit.models.llama import load_gguf, smollm2_path
+    from attnkit.models.loader import load_gguf, smollm2_path
 
     from .api import Server, create_app
     from .engine import Engine

