@@ -11,6 +11,8 @@ Legend: B batch, H heads, T positions, D head dim.
 from __future__ import annotations
 
 import math
+import weakref
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -54,9 +56,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding scaling must be a finite number > 0, got scaling={scaling!r}")
         self.head_dim, self.base, self.scaling = head_dim, float(base), float(scaling)
         self._last: tuple[tuple[object, ...], tuple[Tensor, Tensor]] | None = None  # see _angles_at
+        self._rows: tuple[Any, tuple[object, ...], tuple[Tensor, Tensor]] | None = None  # see _angles_of
 
     def __getstate__(self) -> dict[str, object]:
-        return {**super().__getstate__(), "_last": None}  # the cache is not part of the module
+        return {**super().__getstate__(), "_last": None, "_rows": None}  # the cache is not part of the module
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin of each position's angles, (T, D), both halves alike."""
@@ -90,19 +93,39 @@ class RotaryEmbedding(nn.Module):
         self._last = (key, angles)
         return angles
 
+    def _angles_of(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """:meth:`_signed` at per-row positions (B, T) as (B, 1, T, D), remembered for the same tensor.
+
+        The layers of a model are handed one positions tensor per step: its angles are computed once.
+        """
+        b, t = positions.shape
+        if not torch.compiler.is_compiling():
+            last = self._rows
+            if last is not None and last[0]() is positions and last[1] == (dtype, self.base, self.scaling):
+                return last[2]
+        cos, sin = self._signed(positions.reshape(-1), dtype)  # (B * T, D) each
+        angles = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)  # (B, 1, T, D): broadcast over heads
+        if not torch.compiler.is_compiling():
+            self._rows = (weakref.ref(positions), (dtype, self.base, self.scaling), angles)
+        return angles
+
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """x (..., T, D) rotated by the angles of ``positions`` (T,)."""
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size {x.shape[-1]}")
         return _apply(x, *self._signed(positions, x.dtype))
 
-    def forward(self, q: Tensor, k: Tensor, *, offset: int = 0) -> tuple[Tensor, Tensor]:
-        """Rotate q and k (B, *, T, D) as positions offset .. offset + T - 1 (angles computed once)."""
+    def forward(self, q: Tensor, k: Tensor, *, offset: int = 0, positions: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """Rotate q and k (B, *, T, D) as positions offset .. offset + T - 1, or at per-row ``positions`` (B, T)."""
         if q.shape[-2] != k.shape[-2]:
             raise ValueError(f"q and k must cover the same positions, got T={q.shape[-2]} and {k.shape[-2]}")
         if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size "
                              f"{q.shape[-1]} and {k.shape[-1]}")
+        if positions is not None:
+            cos, sin = self._angles_of(positions, q.dtype)  # (B, 1, T, D) each
+            return _apply(q, cos, sin), _apply(k, cos.to(k.dtype), sin.to(k.dtype))
         cos, sin = self._angles_at(offset, q.shape[-2], q.dtype, q.device)  # (T, D) each
         return _apply(q, cos, sin), _apply(k, cos.to(k.dtype), sin.to(k.dtype))  # .to is free for the same dtype
 

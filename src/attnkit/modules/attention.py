@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from attnkit.functional import RotaryEmbedding, position_mask, rotate_half
+from attnkit.functional import RotaryEmbedding, position_mask
 
 from .heads import AttentionHeads, factory_kwargs
 from .kv_cache import Cache, CachedKeys, check_cache, check_positions, transaction
@@ -156,10 +156,7 @@ class MultiHeadAttention(AttentionHeads):
             return q, k
         if isinstance(positions, int):
             return self.rope(q, k, offset=positions)
-        b, t = positions.shape
-        cos, sin = self.rope.cos_sin(positions.reshape(-1), q.dtype)  # (B * T, D) each
-        cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)  # -> (B, 1, T, D): one angle per row and token
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return self.rope(q, k, positions=positions)  # each row at its own positions
 
     def _attend(self, q: Tensor, keys: CachedKeys, positions: int | Tensor, key_mask: Tensor | None,
                 attn_mask: Tensor | None, need_weights: bool) -> Tensor | tuple[Tensor, Tensor]:

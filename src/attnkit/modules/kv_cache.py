@@ -128,11 +128,10 @@ class _Ownership:
         return before
 
 
-def _refuse_repeats(held: Tensor, length: int, positions: Tensor) -> None:
-    """New positions must come after every position a row already holds (ignoring empty slots, -1)."""
-    if torch.compiler.is_compiling() or length == 0:
+def _refuse_repeats(last: Tensor, positions: Tensor) -> None:
+    """New positions must come after ``last`` (B,), the highest position each row holds (-1: none)."""
+    if torch.compiler.is_compiling():
         return
-    last = held[:, :length].amax(dim=1)  # (B,), -1 when a row holds only padding
     first = positions.masked_fill(positions < 0, 2**62).amin(dim=1)  # (B,), padding aside
     if bool((first <= last).any()):  # one read of the values; details only on failure
         row = int((first <= last).nonzero()[0])
@@ -167,6 +166,7 @@ class KVCache(_Ownership):
         self._k: Tensor | None = None
         self._v: Tensor | None = None
         self._pos: Tensor | None = None  # (B, allocated) positions once a call gave explicit ones
+        self._top: Tensor | None = None  # (B,) the highest position each row holds, with _pos
         self._length = 0
         self._owner: int | None = None
 
@@ -199,24 +199,25 @@ class KVCache(_Ownership):
     def __copy__(self) -> KVCache:
         """An independent cache holding the same positions (storage is copied, never shared)."""
         twin = KVCache(self.capacity)
-        twin._k, twin._v, twin._pos = (None if t is None else t.clone() for t in (self._k, self._v, self._pos))
+        twin._k, twin._v, twin._pos, twin._top = (None if t is None else t.clone()
+                                                  for t in (self._k, self._v, self._pos, self._top))
         twin._length = self._length
         return twin
 
     def reset(self) -> None:
         """Forget every position and the layer it belonged to (keeps no storage)."""
-        self._k = self._v = self._pos = None
+        self._k = self._v = self._pos = self._top = None
         self._length = 0
         self._owner = None
 
     def claim(self, owner: object) -> tuple[Any, ...]:
         """Mark ``owner`` as this cache's writer (or raise if another layer is); return a checkpoint."""
         before = self._claim_owner(owner)
-        return (self._length, before, self._k, self._v, self._pos)
+        return (self._length, before, self._k, self._v, self._pos, self._top)
 
     def restore(self, checkpoint: tuple[Any, ...]) -> None:
         """Go back to the state :meth:`claim` saved (positions past it are forgotten)."""
-        self._length, self._owner, self._k, self._v, self._pos = checkpoint
+        self._length, self._owner, self._k, self._v, self._pos, self._top = checkpoint
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` slots (to rewind, e.g. after a rejected draft).
@@ -227,6 +228,8 @@ class KVCache(_Ownership):
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
             raise ValueError(f"crop length must be an int in [0, {self._length}], got {length!r}")
         self._length = length
+        if self._pos is not None:
+            self._top = self._pos[:, :length].amax(dim=1) if length else None
 
     def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor:
         """``len(cache)`` while slots are positions; else each row's last position + 1 onwards (B, T)."""
@@ -266,6 +269,7 @@ class KVCache(_Ownership):
         if explicit and self._pos is None:  # the first explicit positions: slots so far held positions 0 .. n - 1
             assert self._k is not None
             self._pos = torch.arange(self._k.shape[2], device=k.device).expand(k.shape[0], -1).clone()
+            self._top = torch.full((k.shape[0],), self._length - 1, device=k.device) if self._length else None
 
     def _leave_inference_mode(self) -> None:
         """Storage made under ``torch.inference_mode()`` cannot be written outside it: copy it once."""
@@ -283,18 +287,20 @@ class KVCache(_Ownership):
         if self.capacity is not None and needed > self.capacity:
             raise ValueError(f"KVCache capacity {self.capacity} exceeded: it holds {self._length} "
                              f"positions and {k.shape[2]} more were appended")
-        if positions is not None:
-            before = torch.arange(self._length, device=k.device).expand(k.shape[0], -1) if self._pos is None \
-                else self._pos
-            _refuse_repeats(before, self._length, positions)
+        if positions is not None and self._length:
+            _refuse_repeats(self._top if self._top is not None else torch.full(
+                (k.shape[0],), self._length - 1, device=k.device), positions)
         self._reserve(needed, k, v, positions is not None)
         assert self._k is not None and self._v is not None  # _reserve allocated them
         start, self._length = self._length, needed
         self._k[:, :, start:needed] = k.detach()
         self._v[:, :, start:needed] = v.detach()
         if self._pos is not None:
-            self._pos[:, start:needed] = torch.arange(start, needed, device=k.device) if positions is None \
-                else positions
+            written = torch.arange(start, needed, device=k.device).expand(k.shape[0], -1) if positions is None \
+                else positions  # (B, T)
+            self._pos[:, start:needed] = written
+            top = written.amax(dim=1)  # (B,)
+            self._top = top if self._top is None else torch.maximum(self._top, top)
         held = None if self._pos is None else self._pos[:, :needed]  # (B, S)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             # keep autograd's path to this call's keys and values (earlier ones are constants)
@@ -381,7 +387,7 @@ class StaticKVCache(_Ownership):
             return
         if int(positions.max()) >= self.capacity:
             raise ValueError(f"StaticKVCache capacity {self.capacity} exceeded: position {int(positions.max())}")
-        _refuse_repeats(self.positions, self.capacity + 1, positions)
+        _refuse_repeats(self.positions.amax(dim=1), positions)
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Write k, v (B, G, T, D) into the slots ``positions`` (B, T); return every slot and its position.
