@@ -22,12 +22,19 @@ from torch import Tensor
 from attnkit._optional import require
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
-# How each pre-tokenizer named in tokenizer.ggml.pre splits text before the merges ("smollm" as
-# transformers' GGUF tokenizer reads it: GPT-2's byte-level split, the ids the tests compare with).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_TOKENIZERS = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm": "gpt2",
-                   "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3"}
+# How each pre-tokenizer named in tokenizer.ggml.pre splits text before the merges: llama.cpp's regexes
+# (src/llama-vocab.cpp, llm_tokenizer_bpe), applied in turn, each isolating its matches. The model was trained
+# with these (SmolLM2's own tokenizer.json isolates every digit before GPT-2's split); transformers' GGUF
+# tokenizer drops the first step for "smollm" and so gives other ids wherever a number follows spaces.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),  # llama.cpp's own default
+    "gpt-2": (_GPT2,), "gpt2": (_GPT2,),
+    "smollm": (r"\p{N}", _GPT2), "starcoder": (r"\p{N}", _GPT2),
+    "llama3": (_LLAMA3,), "llama-v3": (_LLAMA3,), "llama-bpe": (_LLAMA3,),
+}
 _END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
 
 
@@ -40,13 +47,12 @@ def _check_text(text: str) -> None:
                          "not a character (decode input with errors='replace')") from None
 
 
-def _pre_tokenizer(kind: str) -> Any:
+def _pre_tokenizer(name: str) -> Any:
+    """llama.cpp's splits for pre-tokenizer ``name``, then the byte-level mapping (no regex of its own)."""
     pre = require("tokenizers.pre_tokenizers", "The GGUF tokenizer")
     tokenizers = require("tokenizers", "The GGUF tokenizer")
-    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=kind != "llama3")
-    if kind == "llama3":
-        return pre.Sequence([pre.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior="isolated"), byte_level])
-    return byte_level
+    splits = [pre.Split(tokenizers.Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[name]]
+    return pre.Sequence([*splits, pre.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 class GGUFTokenizer:
@@ -74,7 +80,7 @@ class GGUFTokenizer:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         bpe = tokenizers.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
         self._tok = tokenizers.Tokenizer(bpe)
-        self._tok.pre_tokenizer = _pre_tokenizer(_PRE_TOKENIZERS[pre_tokenizer])
+        self._tok.pre_tokenizer = _pre_tokenizer(pre_tokenizer)
         self._tok.decoder = tokenizers.decoders.ByteLevel()
         types = list(token_types) or [1] * len(tokens)
         specials = [t for t, kind in zip(tokens, types, strict=True) if kind == _CONTROL]
