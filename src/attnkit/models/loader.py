@@ -183,6 +183,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     file = read_gguf(path)
     config = llama_config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
     tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=config.context_length)
+    tokenizer.template_name = f"the chat template of {path}"
     if tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
                          f"{config.vocab_size}")

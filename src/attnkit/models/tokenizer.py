@@ -21,6 +21,8 @@ from torch import Tensor
 
 from attnkit._optional import require
 
+from . import chat
+
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 # How each pre-tokenizer named in tokenizer.ggml.pre splits text before the merges: llama.cpp's regexes
 # (src/llama-vocab.cpp, llm_tokenizer_bpe), applied in turn, each isolating its matches. The model was trained
@@ -93,6 +95,7 @@ class GGUFTokenizer:
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.pad_id = eos_id if pad_id is None else pad_id
         self.chat_template, self.context_length = chat_template, context_length
+        self.template_name = "the chat template (tokenizer.chat_template)"  # the loader names its file
         self.stop_ids = tuple(sorted({eos_id} | {vocab[t] for t in _END_TOKENS if t in vocab}))
 
     @classmethod
@@ -163,7 +166,8 @@ class GGUFTokenizer:
         """The file's chat template rendered for ``messages`` ([{"role", "content"}, ...]).
 
         Rendered in jinja2's sandbox, as Hugging Face's ``apply_chat_template``
-        does, ending with the assistant's turn opened when ``add_generation_prompt``.
+        does, ending with the assistant's turn opened when ``add_generation_prompt``,
+        and bounded in time, memory and size (:mod:`attnkit.models.chat`).
         """
         if self.chat_template is None:
             raise ValueError("this model's file has no chat template (tokenizer.chat_template)")
@@ -173,19 +177,10 @@ class GGUFTokenizer:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(
                     m.get("content"), str):
                 raise ValueError(f"message {i} must be a dict with str 'role' and 'content', got {m!r}")
-        sandbox = require("jinja2.sandbox", "Chat templates")
-        env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=["jinja2.ext.loopcontrols"])
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template error: {message}")
-
-        env.globals["raise_exception"] = raise_exception
         special = {"bos_token": "" if self.bos_id is None else self.tokens[self.bos_id],
                    "eos_token": self.tokens[self.eos_id]}
-        rendered: str = env.from_string(self.chat_template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **special)
-        return rendered
+        return chat.render(self.chat_template, messages, name=self.template_name,
+                           add_generation_prompt=add_generation_prompt, **special)
 
     def _encode(self, text: str, *, special: bool) -> list[int]:
         """Ids of ``text`` with no BOS added; ``special=False`` spells control-token strings as plain text."""
