@@ -32,7 +32,7 @@ def test_an_ordinary_template_renders() -> None:
 def test_hostile_templates_stop_at_a_bound_and_name_the_template(template: str, message: str) -> None:
     """Nested loops of 10^10 iterations hung; 'x' * 10**9 allocated gigabytes."""
     start = time.monotonic()
-    with pytest.raises(TemplateLimitError, match=f"^the chat template of evil.gguf.*({message})"):
+    with pytest.raises(TemplateLimitError, match=rf"^the chat template of evil\.gguf.*({message})"):
         render(template, HI, name="the chat template of evil.gguf", seconds=0.5, memory=64 << 20)
     assert time.monotonic() - start < 30
 

@@ -40,7 +40,7 @@ def _rss() -> int:
 def _sandbox(name: str, output: int) -> Any:
     sandbox = require("jinja2.sandbox", "Chat templates")
 
-    class Bounded(sandbox.ImmutableSandboxedEnvironment):  # type: ignore[misc,name-defined]
+    class Bounded(sandbox.ImmutableSandboxedEnvironment):  # type: ignore[name-defined]
         """The immutable sandbox, with ``*``, ``**`` and ``+`` refused when their result would be huge."""
 
         intercepted_binops = frozenset(["*", "**", "+"])
@@ -71,9 +71,12 @@ def _result_size(operator: str, left: Any, right: Any) -> int:
 
 def render(template: str, messages: Sequence[Mapping[str, str]], *, name: str = "the chat template",
            add_generation_prompt: bool = True, seconds: float = SECONDS, output: int = OUTPUT,
-           memory: int = MEMORY, **variables: Any) -> str:
-    """``template`` rendered for ``messages``; :class:`TemplateLimitError` past a bound, ValueError for
-    a template that does not parse or calls ``raise_exception``."""
+           memory: int = MEMORY, variables: Mapping[str, Any] | None = None) -> str:
+    """``template`` rendered for ``messages`` (and ``variables`` such as ``bos_token``).
+
+    :class:`TemplateLimitError` past a bound; ValueError for a template that
+    does not parse or calls ``raise_exception``.
+    """
     jinja2 = require("jinja2", "Chat templates")
     env = _sandbox(name, output)
 
@@ -86,7 +89,7 @@ def render(template: str, messages: Sequence[Mapping[str, str]], *, name: str = 
     except jinja2.TemplateSyntaxError as err:
         raise ValueError(f"{name} does not parse: {err.message} (line {err.lineno})") from None
     context = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
-               **variables}
+               **(variables or {})}
     pieces: list[str] = []
     written = 0
     with _bounded(name, seconds, memory):

@@ -180,7 +180,7 @@ class GGUFTokenizer:
         special = {"bos_token": "" if self.bos_id is None else self.tokens[self.bos_id],
                    "eos_token": self.tokens[self.eos_id]}
         return chat.render(self.chat_template, messages, name=self.template_name,
-                           add_generation_prompt=add_generation_prompt, **special)
+                           add_generation_prompt=add_generation_prompt, variables=special)
 
     def _encode(self, text: str, *, special: bool) -> list[int]:
         """Ids of ``text`` with no BOS added; ``special=False`` spells control-token strings as plain text."""
