@@ -49,7 +49,7 @@ def test_the_sandbox_escape_through_attr_format_is_refused() -> None:
 def test_syntax_errors_and_raise_exception_are_value_errors_naming_the_template() -> None:
     with pytest.raises(ValueError, match=r"the chat template of x.gguf does not parse: .*\(line 1\)"):
         render("{% for %}", HI, name="the chat template of x.gguf")
-    with pytest.raises(ValueError, match="the chat template of x.gguf refused these messages: no system role"):
+    with pytest.raises(ValueError, match=r"the chat template of x\.gguf refused these messages: no system role"):
         render("{{ raise_exception('no system role') }}", HI, name="the chat template of x.gguf")
 
 
