@@ -61,3 +61,30 @@ def test_a_lone_surrogate_is_a_value_error_naming_its_position(text: str) -> Non
     tok = smollm2().tokenizer
     with pytest.raises(ValueError, match=f"position {text.index(next(c for c in text if 0xD800 <= ord(c) < 0xE000))}"):
         tok.encode(text)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"tokenizer.ggml.bos_token_id": 49152}, r"tokenizer.ggml.bos_token_id = 49152 is outside the vocabulary of 49152"),
+    ({"tokenizer.ggml.eos_token_id": -1}, r"tokenizer.ggml.eos_token_id = -1 is outside"),
+    ({"tokenizer.ggml.padding_token_id": 10**6}, r"tokenizer.ggml.padding_token_id = 1000000 is outside"),
+])
+def test_special_ids_outside_the_vocabulary_are_named(change: dict[str, int], message: str) -> None:
+    """A BOS id past the vocabulary was an IndexError in chat; a short token_type list was a zip error."""
+    from attnkit.models.gguf import read_gguf
+    from attnkit.models.loader import smollm2_path
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+    metadata = {**read_gguf(smollm2_path()).metadata, **change}
+    with pytest.raises(ValueError, match=message):
+        GGUFTokenizer.from_metadata(metadata, context_length=2048)
+
+
+def test_a_token_type_list_of_the_wrong_length_is_named() -> None:
+    from attnkit.models.gguf import read_gguf
+    from attnkit.models.loader import smollm2_path
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+    metadata = dict(read_gguf(smollm2_path()).metadata)
+    metadata["tokenizer.ggml.token_type"] = metadata["tokenizer.ggml.token_type"][:-5]
+    with pytest.raises(ValueError, match=r"token_type has 49147 entries but tokenizer.ggml.tokens has 49152"):
+        GGUFTokenizer.from_metadata(metadata, context_length=2048)

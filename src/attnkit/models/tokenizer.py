@@ -49,6 +49,17 @@ def _check_text(text: str) -> None:
                          "not a character (decode input with errors='replace')") from None
 
 
+def _check_vocabulary(tokens: Sequence[str], token_types: Sequence[int], ids: Mapping[str, int | None]) -> None:
+    """Token types for every token and special ids inside the vocabulary, or a ValueError naming the key."""
+    if token_types and len(token_types) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.token_type has {len(token_types)} entries but tokenizer.ggml.tokens has "
+                         f"{len(tokens)}: one type per token is expected")
+    for key, value in ids.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < len(tokens)):
+            raise ValueError(f"tokenizer.ggml.{key} = {value!r} is outside the vocabulary of {len(tokens)} tokens")
+
+
 def _pre_tokenizer(name: str) -> Any:
     """llama.cpp's splits for pre-tokenizer ``name``, then the byte-level mapping (no regex of its own)."""
     pre = require("tokenizers.pre_tokenizers", "The GGUF tokenizer")
@@ -75,6 +86,8 @@ class GGUFTokenizer:
                  pre_tokenizer: str, bos_id: int | None, eos_id: int, pad_id: int | None, add_bos: bool,
                  chat_template: str | None, context_length: int) -> None:
         tokenizers = require("tokenizers", "The GGUF tokenizer")
+        _check_vocabulary(tokens, token_types, {"bos_token_id": bos_id, "eos_token_id": eos_id,
+                                                "padding_token_id": pad_id})
         if pre_tokenizer not in _PRE_TOKENIZERS:
             raise ValueError(f"pre-tokenizer {pre_tokenizer!r} is not supported; supported: "
                              f"{', '.join(sorted(_PRE_TOKENIZERS))}")
