@@ -40,7 +40,8 @@ QUESTIONS = ["What is bread?", "Name a French cake.", "Is it open on Sunday?", "
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     need_smollm2()
     process = ServerProcess.attnkit("--kv-memory", "96", "--max-batch", "16", "--api-key", "test-key",
-                            log=tmp_path_factory.mktemp("serve") / "server.log")
+                                    "--weights", "float32",  # compared with float32 generate below
+                                    log=tmp_path_factory.mktemp("serve") / "server.log")
     yield process
     process.stop()
 
@@ -179,6 +180,18 @@ def test_bad_requests_get_openai_errors_naming_the_field(server: ServerProcess, 
     assert error["param"] == param and param in error["message"] and error["type"]
 
 
+def test_the_default_weight_form_is_printed_at_start(tmp_path: Path) -> None:
+    """Without --weights the server picks the fastest accurate form for this CPU and says which."""
+    from attnkit.modules.quantize import default_form
+
+    need_smollm2()
+    server = ServerProcess.attnkit("--kv-memory", "16", log=tmp_path / "server.log")
+    try:
+        assert f"({default_form()} weights, CPU capability" in server.log()
+    finally:
+        server.stop()
+
+
 def test_malformed_json_oversized_bodies_and_keys(server: ServerProcess) -> None:
     auth = {"Authorization": "Bearer test-key"}
     url = server.url + "/v1/chat/completions"
@@ -196,7 +209,8 @@ def test_malformed_json_oversized_bodies_and_keys(server: ServerProcess) -> None
 def test_preemption_under_tiny_kv_memory_still_answers_correctly(tmp_path: Path) -> None:
     """6 requests of ~40 tokens each in room for about 3: the newest are preempted and recomputed later."""
     need_smollm2()
-    server = ServerProcess.attnkit("--kv-memory", "9", "--max-batch", "6", log=tmp_path / "server.log")  # 12 blocks
+    server = ServerProcess.attnkit("--kv-memory", "9", "--max-batch", "6", "--weights", "float32",
+                                   log=tmp_path / "server.log")  # 12 blocks
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 

