@@ -173,3 +173,92 @@ def test_a_full_queue_is_refused() -> None:
         engine.submit([1, 2], SamplingParams(max_tokens=2), lambda e: None)
     with pytest.raises(QueueFullError):
         engine.submit([1, 2], SamplingParams(max_tokens=2), lambda e: None)
+
+
+def test_shared_and_reused_blocks_give_the_full_forwards_logits_float64() -> None:
+    """Two sequences share a prefix's blocks (reference counts), a third reuses freed blocks (LRU, evicted)."""
+    from attnkit.serve import BlockManager
+
+    model = _model()
+    pool = PagedKVPool(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float64)
+    blocks = BlockManager(6, 4)
+
+    def run(tokens: list[int]) -> torch.Tensor:
+        """Logits of every position of ``tokens`` not already cached, through the pool."""
+        got = blocks.allocate(tokens)
+        assert got is not None
+        start = got.cached_tokens
+        ids = torch.tensor([tokens[start:]])
+        positions = torch.arange(start, len(tokens))[None]
+        pool.batch = PagedBatch.build([got.blocks], positions, [len(tokens)], 4, pool.spare)
+        with torch.no_grad():
+            logits = model(ids, kv_caches=pool.layers, positions=positions)
+        blocks.written(got.blocks, len(tokens), tokens)
+        run.blocks = got.blocks  # type: ignore[attr-defined]
+        return logits
+
+    first = list(range(1, 10))
+    second = [*range(1, 9), 40, 41]  # shares two full blocks with the first
+    out1 = run(first)
+    out2 = run(second)
+    assert blocks.hit_tokens == 8
+    blocks.release(run.blocks)  # type: ignore[attr-defined]
+    third = [30, 31, 32, 33, 34, 35, 36]  # takes freed blocks: the second's tail, then evicts cached ones
+    out3 = run(third)
+    with torch.no_grad():
+        for tokens, out in ((first, out1), (second, out2), (third, out3)):
+            full = model(torch.tensor([tokens]))
+            torch.testing.assert_close(out, full[:, -out.shape[1]:], atol=1e-9, rtol=1e-9)
+
+
+def test_a_dead_engine_fails_requests_fast_and_health_says_so() -> None:
+    from attnkit.serve import EngineError
+
+    model = _model()
+    engine = _engine(model)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("the model broke")
+
+    model.step = broken  # type: ignore[method-assign]
+    events: list[Event] = []
+    engine.start()
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=4), events.append)
+    engine._thread.join(timeout=10)  # type: ignore[union-attr]
+    assert not engine.alive and events and events[-1].finish_reason == "error"
+    with pytest.raises(EngineError, match="the engine stopped after an error"):
+        engine.submit([1, 2], SamplingParams(max_tokens=2), lambda e: None)
+
+
+def test_health_and_requests_report_a_dead_engine_over_http() -> None:
+    from tests._util import need
+
+    need("fastapi")
+    testclient = need("fastapi.testclient")
+    from attnkit.serve.api import Server, create_app
+
+    class Words:
+        def encode(self, text: str) -> list[int]:
+            return [len(w) % 50 for w in text.split()] or [1]
+
+        def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+            return self.encode(" ".join(m["content"] for m in messages))
+
+    model = _model()
+    engine = _engine(model)
+    engine.start()
+    client = testclient.TestClient(create_app(Server(engine, Words(), model_name="tiny", context_length=128)))
+    body = {"model": "tiny", "prompt": "one two three", "max_tokens": 3, "temperature": 0}
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("the model broke")
+
+    model.step = broken  # type: ignore[method-assign]
+    failed = client.post("/v1/completions", json=body)
+    assert failed.status_code == 500 and "the model broke" in failed.json()["error"]["message"]
+    health = client.get("/health")
+    assert health.status_code == 503 and "the model broke" in health.json()["error"]
+    again = client.post("/v1/completions", json=body)
+    assert again.status_code == 503 and again.json()["error"]["code"] == "engine_error"

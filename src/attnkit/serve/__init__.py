@@ -7,7 +7,7 @@
 """
 
 from .blocks import BlockManager
-from .engine import Engine, Event, QueueFullError, SamplingParams
+from .engine import Engine, EngineError, Event, QueueFullError, SamplingParams
 from .paged import PagedBatch, PagedKVPool
 
-__all__ = ["BlockManager", "Engine", "Event", "PagedBatch", "PagedKVPool", "QueueFullError", "SamplingParams"]
+__all__ = ["BlockManager", "Engine", "EngineError", "Event", "PagedBatch", "PagedKVPool", "QueueFullError", "SamplingParams"]
