@@ -10,4 +10,5 @@ from .blocks import BlockManager
 from .engine import Engine, EngineError, Event, QueueFullError, SamplingParams
 from .paged import PagedBatch, PagedKVPool
 
-__all__ = ["BlockManager", "Engine", "EngineError", "Event", "PagedBatch", "PagedKVPool", "QueueFullError", "SamplingParams"]
+__all__ = ["BlockManager", "Engine", "EngineError", "Event", "PagedBatch", "PagedKVPool", "QueueFullError",
+           "SamplingParams"]
