@@ -192,13 +192,13 @@ def _kv_bytes_per_position(dtype_bytes: int) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
-def _offline(clients: int) -> dict[str, float]:
-    """attnkit's batched generate of the same N prompts (greedy lengths as asked): the ceiling."""
+def _offline(clients: int, weights: str) -> dict[str, float]:
+    """attnkit's batched generate of the same N prompts in the served weight form: the ceiling."""
     import torch
 
     from attnkit.models import load_smollm2
 
-    model = load_smollm2()
+    model = load_smollm2(weights=weights)
     tokenizer: Any = model.tokenizer
     rows = [tokenizer.chat_ids(_request(i)["messages"]) for i in range(clients)]
     width = max(len(r) for r in rows)
@@ -222,8 +222,10 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
     import torch
 
     from attnkit.models.loader import smollm2_path
+    from attnkit.modules.quantize import default_form
 
     work = Path(workdir or tempfile.mkdtemp(prefix="attnkit-serve-bench-"))
+    weights = default_form()  # what attnkit serve runs by default: the ceiling uses the same
     env = {"threads": threads, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     rows: list[dict[str, Any]] = []
     per_position = _kv_bytes_per_position(4)
@@ -240,7 +242,7 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
             result = _round(server.url, "smollm2", n)
         finally:
             server.stop()
-        rows.append({"kind": "serve", **env, "contender": "attnkit-serve", "clients": n, **result,
+        rows.append({"kind": "serve", **env, "contender": "attnkit-serve", "clients": n, "weights": weights, **result,
                      "kv_mib_per_sequence": positions * per_position / 2**20})
         if llama is not None:
             port = _free_port()
@@ -256,7 +258,7 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
             rows.append({"kind": "serve", **env, "contender": "llama-server", "clients": n, **result,
                          "kv_mib_per_sequence": positions * _kv_bytes_per_position(2) / 2**20})
         rows.append({"kind": "serve", **env, "contender": "attnkit-generate (offline ceiling)", "clients": n,
-                     **_offline(n)})
+                     "weights": weights, **_offline(n, weights)})
     return rows + serve_targets(rows)
 
 
