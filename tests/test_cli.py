@@ -233,3 +233,116 @@ def test_bench_plot_hint_names_the_viz_extra(capsys, monkeypatch, tmp_path):
     out = capsys.readouterr().out
     assert code == 0
     assert "no plots:" in out and "pip install 'attnkit[viz]'" in " ".join(out.split())
+
+
+# Issue 20, item 9: every error is one line and exit code 2, output paths are checked before the work.
+
+@pytest.mark.parametrize("command", [["explain"], ["train", "induction"], ["chat"], ["generate", "hi"],
+                                     ["bench"], ["serve"]])
+def test_a_mistyped_flag_points_to_the_subcommands_help(capsys, command):
+    """`attnkit train induction --stpes` said "see attnkit --help", whose page does not list --steps."""
+    assert cli.main([*command, "--stpes"]) == 2
+    out, err = capsys.readouterr()
+    prog = "attnkit " + " ".join(c for c in command if c != "hi")
+    assert out == "" and err.count("\n") == 1
+    assert err == f"{prog}: error: unrecognized arguments: --stpes (see {prog} --help)\n"
+
+
+@pytest.mark.parametrize(("option", "where", "message"), [
+    ("--png", "missing/h.png", "the folder {tmp}/missing does not exist"),
+    ("--html", ".", "{tmp} is a folder: give a file name"),
+    ("--json", "afile/s.json", "{tmp}/afile is a file, not a folder"),
+])
+def test_explain_output_paths_are_checked_before_the_work(capsys, tmp_path, option, where, message):
+    """A --png in a missing folder failed with "[Errno 2]" after the whole walkthrough was printed."""
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / where if where != "." else tmp_path
+    code, out, err = run(capsys, option, str(path))
+    assert code == 2 and out == ""  # nothing was computed or printed first
+    assert err == f"attnkit explain: error: {option} {path}: {message.format(tmp=tmp_path)}\n" or (
+        err.startswith(f"attnkit explain: error: {option} {path}") and message.format(tmp=tmp_path) in err)
+    assert err.count("\n") == 1
+
+
+def test_an_output_file_that_may_not_be_written_is_refused_first(capsys, tmp_path, monkeypatch):
+    """(root may write anywhere, so the permission is denied by patching os.access.)"""
+    import os
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    code, out, err = run(capsys, "--png", str(tmp_path / "h.png"))
+    assert code == 2 and out == ""
+    assert f"--png {tmp_path / 'h.png'}: no permission to write in the folder {tmp_path}" in err
+
+
+def test_bench_out_that_is_a_file_is_refused_before_benchmarking(capsys, tmp_path):
+    """An --out that exists as a file ended in "[Errno 17] File exists" after the whole benchmark ran."""
+    (tmp_path / "taken").write_text("")
+    code = cli.main(["bench", "--suite", "custom", "--contenders", "core-chunked", "--seq-lens", "16",
+                     "--repeats", "1", "--no-memory", "--out", str(tmp_path / "taken")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err == (f"attnkit bench: error: --out {tmp_path / 'taken'} is a file: give a folder "
+                   "(it holds several files)\n")
+
+
+def test_an_os_error_reads_path_colon_reason(capsys, tmp_path, monkeypatch):
+    """OSErrors printed as "[Errno 17] File exists: 'x'"."""
+    from attnkit.inspect import html
+
+    def taken(*args, **kw):
+        raise FileExistsError(17, "File exists", "p.html")
+
+    monkeypatch.setattr(html, "write_html", taken)
+    code, _, err = run(capsys, "--steps", "output", "--html", str(tmp_path / "p.html"))
+    assert code == 2 and err == "attnkit explain: error: p.html: File exists\n"
+
+
+def test_ctrl_c_is_exit_130_in_one_line_without_traceback(capsys, monkeypatch):
+    from attnkit.inspect import explain
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(explain, "explain_toy", interrupted)
+    code, out, err = run(capsys)
+    assert code == 130 and out == ""
+    assert err.strip() == "attnkit explain: interrupted"
+
+
+# Issue 20, item 14: explain --model smollm2 --truncate truncates, to a length whose records fit in memory.
+
+def test_the_decoder_cap_of_help_is_the_librarys():
+    from attnkit.inspect import explain
+
+    assert cli.SMOLLM2_MAX_TOKENS == explain.SMOLLM2_MAX_TOKENS == 512
+    # 30 layers x 9 heads, scores and weights in float32: 2160 bytes x T^2, about 0.6 GB at the cap
+    gigabytes = 2 * 30 * 9 * 4 * explain.SMOLLM2_MAX_TOKENS**2 / 1e9
+    assert 0.56 < gigabytes < 0.58
+
+
+def test_explain_help_states_the_decoder_cap(capsys):
+    assert cli.main(["explain", "--help"]) == 0
+    assert "to SmolLM2's first 512 tokens" in " ".join(capsys.readouterr().out.split())
+
+
+def test_smollm2_truncate_cuts_a_text_longer_than_the_context(capsys, monkeypatch):
+    """--truncate did nothing for SmolLM2: its tokenizer refused a text over 8192 tokens before the cut."""
+    need("gguf")
+    from attnkit.inspect import explain
+
+    monkeypatch.setattr(explain, "SMOLLM2_MAX_TOKENS", 12)  # the same path as 512, in a fraction of the time
+    words = ["word"] * 9000  # 9000 tokens: more than SmolLM2's 8192-token context
+    with pytest.warns(UserWarning, match="text of 9000 tokens truncated to SmolLM2's first 12"):
+        code, out, err = run(capsys, "--model", "smollm2", "--truncate", "--steps", "softmax", *words)
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "word word ... (12 byte-level BPE tokens)" in text
+    assert out.count("word") < 100  # the header shows the text that was kept, not 9000 words
+
+
+def test_smollm2_text_over_the_cap_names_truncate_and_the_cap(capsys):
+    need("gguf")
+    code, out, err = run(capsys, "--model", "smollm2", *(["word"] * 600))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "the text is 600 tokens; attnkit explain shows SmolLM2 on at most 512" in err
+    assert "pass --truncate to cut it to its first 512 tokens" in err

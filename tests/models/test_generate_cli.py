@@ -116,3 +116,64 @@ def test_chat_exit_command(tiny: str, monkeypatch: pytest.MonkeyPatch, capsys: p
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
     assert main(["chat", "--gguf", tiny]) == 0
     assert capsys.readouterr().out == ""
+
+
+# Issue 20, item 9: every error of a malformed model file is one line and exit code 2.
+
+def _corrupted(tiny: str, tmp_path: Path, how: str) -> Path:
+    """The tiny file cut short, with bytes overwritten in its header or metadata, or with a bad value."""
+    import random
+
+    data = bytearray(Path(tiny).read_bytes())
+    path = tmp_path / f"{how}.gguf"
+    if how == "directory":
+        path.mkdir()
+        return path
+    if how == "truncated":
+        data = data[: len(data) // 3]
+    elif how == "empty":
+        data = bytearray()
+    elif how == "version":
+        data[4:8] = (99).to_bytes(4, "little")
+    elif how == "bad-head-count":
+        at = data.find(b"llama.attention.head_count") + len(b"llama.attention.head_count")
+        data[at + 4 : at + 8] = (0).to_bytes(4, "little")  # the value after its 4-byte type
+    else:  # scrambled: random bytes over the metadata
+        rng = random.Random(how)
+        for _ in range(40):
+            data[rng.randrange(24, 4000)] = rng.randrange(256)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "version", "bad-head-count", "directory",
+                                 *(f"scrambled-{i}" for i in range(6))])
+def test_a_malformed_gguf_file_is_one_line_and_exit_2(tiny: str, tmp_path: Path, how: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Whatever is wrong with the file, `attnkit generate --gguf` says so in one line (or runs, if it still can)."""
+    path = _corrupted(tiny, tmp_path, how)
+    code = main(["generate", "--gguf", str(path), "--max-new-tokens", "2", "the"])
+    err = capsys.readouterr().err
+    if code == 0:  # a flipped byte can land in a weight: the file is still a model
+        assert how.startswith("scrambled") and "tokens/s" in err
+        return
+    assert code == 2, err
+    assert err.startswith("attnkit generate: error: ") and err.count("\n") == 1
+    assert "Traceback" not in err and len(err) < 600
+
+
+def test_generate_says_when_max_new_tokens_cut_the_text(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--gguf", tiny, "--max-new-tokens", "3", "the"]) == 0
+    assert "(answer cut at --max-new-tokens 3)" in capsys.readouterr().err
+
+
+def test_generate_ctrl_c_stops_with_exit_130_and_no_traceback(tiny: str, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from attnkit.models.generation import IncrementalDecoder
+
+    def press_ctrl_c(self: IncrementalDecoder, token: int) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(IncrementalDecoder, "add", press_ctrl_c)
+    assert main(["generate", "--gguf", tiny, "the"]) == 130
+    assert capsys.readouterr().out == "\n"

@@ -90,3 +90,27 @@ def test_unusable_device_is_a_clear_error():
         train_induction(InductionConfig(steps=1, device="cuda"))
     with pytest.raises(ValueError, match="device='gpu0'"):
         train_induction(InductionConfig(steps=1, device="gpu0"))
+
+
+def test_should_stop_ends_training_after_that_step_with_the_same_numbers_so_far():
+    """Stopping early (Ctrl-C in `attnkit train`) finishes the run on the steps done: evaluated, heads found."""
+    config = InductionConfig(steps=12, eval_every=4, eval_batch_size=16, seed=3)
+    done = []
+    stopped = train_induction(config, progress=lambda step, loss, best: done.append(step),
+                              should_stop=lambda: len(done) >= 5)
+    assert stopped.stopped_at == 6 and done == [1, 2, 3, 4, 5, 6]  # asked after step 5's progress: step 6 ends it
+    assert [h["step"] for h in stopped.history] == [1, 4, 6]  # the last step done is evaluated
+    shorter = train_induction(InductionConfig(steps=12, eval_every=4, eval_batch_size=16, seed=3),
+                              should_stop=lambda: False)
+    assert shorter.stopped_at is None
+    assert stopped.history[:2] == shorter.history[:2]  # the same run, up to where it stopped
+    assert stopped.final == {k: v for k, v in stopped.history[-1].items() if k not in ("step", "train_loss")}
+
+
+def test_should_stop_on_the_last_step_is_a_finished_run():
+    done = []
+    run = train_induction(InductionConfig(steps=3, eval_every=2, eval_batch_size=8),
+                          progress=lambda step, loss, best: done.append(step), should_stop=lambda: len(done) >= 2)
+    assert run.stopped_at is None and [h["step"] for h in run.history] == [1, 2, 3]
+    first = train_induction(InductionConfig(steps=3, eval_every=2, eval_batch_size=8), should_stop=lambda: True)
+    assert first.stopped_at == 1 and [h["step"] for h in first.history] == [1]

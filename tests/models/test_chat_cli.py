@@ -1,0 +1,288 @@
+"""``attnkit chat`` as people use it (issue 20, items 8 and 10), on a tiny GGUF file (--gguf).
+
+Typed lines come from a patched ``input()``; Ctrl-C is a KeyboardInterrupt raised where the terminal would raise
+it. Undecodable bytes go through a real pipe into a subprocess. Line editing and history (readline) were checked by
+hand in tmux: see the issue's notes.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attnkit.cli import main
+from attnkit.models import cli as models_cli
+from tests._util import need
+from tests.models._decoder import write_tiny_llama
+
+need("gguf")
+need("tokenizers")
+need("rich")
+need("jinja2")
+
+Messages = list[dict[str, str]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("chat") / "tiny.gguf"
+    write_tiny_llama(path, context=64)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(tiny: str) -> Any:
+    from attnkit.models import load_gguf
+
+    return load_gguf(tiny)
+
+
+def _typing(monkeypatch: pytest.MonkeyPatch, lines: Sequence[str | type[BaseException]]) -> None:
+    """``input()`` returns each line in turn (an exception class is raised instead), then Ctrl-D."""
+    queue = iter(lines)
+
+    def typed(prompt: str = "") -> str:
+        line = next(queue, EOFError)
+        if isinstance(line, type):
+            raise line
+        return line
+
+    monkeypatch.setattr(builtins, "input", typed)
+
+
+def _prompts(monkeypatch: pytest.MonkeyPatch) -> list[Messages]:
+    """Every conversation the chat encodes (a spy on GGUFTokenizer.chat_ids), the template probe first."""
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+    seen: list[Messages] = []
+    original = GGUFTokenizer.chat_ids
+
+    def spy(self: GGUFTokenizer, messages: Sequence[Mapping[str, str]], **kw: Any) -> list[int]:
+        seen.append([dict(m) for m in messages])
+        return original(self, messages, **kw)
+
+    monkeypatch.setattr(GGUFTokenizer, "chat_ids", spy)
+    return seen
+
+
+def _answer(model: Any, messages: Messages, n: int) -> str:
+    import torch
+
+    ids = torch.tensor([model.tokenizer.chat_ids(messages)])  # (1, T)
+    return str(model.decode(model.generate(ids, max_new_tokens=n)[0, ids.shape[1]:]))
+
+
+def test_help_lists_every_command_and_unknown_commands_point_to_it(tiny: str, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _typing(monkeypatch, ["/help", "/nope"])
+    assert main(["chat", "--gguf", tiny]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n"  # no answer was written: /help and /nope are not messages (the newline is Ctrl-D's)
+    for command in ("/help", "/reset", "/exit"):
+        assert command in err
+    assert "unknown command /nope: /help lists the commands" in err
+
+
+def test_ctrl_c_during_an_answer_stops_it_and_keeps_what_was_written(
+        tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C during an answer ended the whole session; now it ends the answer, whose first part stays."""
+    from attnkit.models.generation import IncrementalDecoder
+
+    added = {"n": 0}
+    add = IncrementalDecoder.add
+
+    def press_ctrl_c_at_the_fourth_token(self: IncrementalDecoder, token: int) -> str:
+        added["n"] += 1
+        if added["n"] == 4:
+            raise KeyboardInterrupt
+        return add(self, token)
+
+    monkeypatch.setattr(IncrementalDecoder, "add", press_ctrl_c_at_the_fourth_token)
+    prompts = _prompts(monkeypatch)
+    _typing(monkeypatch, ["hi", "the"])
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    monkeypatch.undo()
+    full = _answer(model, [{"role": "user", "content": "hi"}], 8)
+    partial = out.split("\n")[0]
+    assert partial and full.startswith(partial) and partial != full  # cut after three tokens
+    assert "answer stopped by Ctrl-C; what was written stays in the conversation" in err
+    assert prompts[-1] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": partial},
+                           {"role": "user", "content": "the"}]
+    second = _answer(model, prompts[-1], 8)
+    assert out.split("\n")[1] == second  # the conversation went on, with the partial answer in it
+
+
+def test_ctrl_c_before_the_first_token_drops_the_message(tiny: str, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from attnkit.models import generation
+
+    steps = generation.generate_steps
+    calls = {"n": 0}
+
+    def interrupted_prefill(*args: Any, **kw: Any) -> Iterator[Any]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return steps(*args, **kw)
+
+    monkeypatch.setattr(generation, "generate_steps", interrupted_prefill)
+    prompts = _prompts(monkeypatch)
+    _typing(monkeypatch, ["hi", "the"])
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "3"]) == 0
+    assert "before it began; your message is dropped" in capsys.readouterr().err
+    assert prompts[-1] == [{"role": "user", "content": "the"}]
+
+
+def test_ctrl_c_over_typed_text_clears_the_line_and_at_an_empty_prompt_ends(tiny: str, monkeypatch: pytest.MonkeyPatch,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """As in a shell: Ctrl-C with text typed (readline's line buffer) gives a fresh prompt; with none, it ends."""
+
+    class Readline:
+        buffer = "half a question"
+
+        def get_line_buffer(self) -> str:
+            return self.buffer
+
+    fake = Readline()
+    monkeypatch.setattr(models_cli, "_line_editing", lambda: fake)
+    typed = iter([KeyboardInterrupt, "/reset", KeyboardInterrupt, "never read"])
+
+    def keys(prompt: str = "") -> str:
+        key = next(typed)
+        if key is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        fake.buffer = ""
+        return str(key)
+
+    monkeypatch.setattr(builtins, "input", keys)
+    assert main(["chat", "--gguf", tiny]) == 0
+    assert "conversation reset" in capsys.readouterr().err  # read after the first Ctrl-C
+    assert next(typed) == "never read"  # the second Ctrl-C, at an empty prompt, ended the session
+
+
+def test_an_answer_cut_by_max_new_tokens_says_so(tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A cut answer looked like a finished one."""
+    _typing(monkeypatch, ["hi"])
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "3"]) == 0
+    assert "(answer cut at --max-new-tokens 3)" in capsys.readouterr().err
+
+
+def test_an_answer_the_model_ends_is_not_called_cut(tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The answer ends with a stop id exactly at --max-new-tokens: finished, not cut."""
+    import torch
+
+    ids = torch.tensor([model.tokenizer.chat_ids([{"role": "user", "content": "hi"}])])
+    sampled = model.generate(ids, max_new_tokens=8, stop_ids=[], temperature=5.0, seed=0)  # (1, T + 8)
+    tokens = sampled[0, ids.shape[1]:].tolist()
+    n = next(j + 1 for j in range(1, len(tokens)) if tokens[j] not in tokens[:j])  # a first occurrence
+    load = models_cli._load
+
+    def stops_at_token_n(*args: Any) -> Any:
+        loaded = load(*args)
+        loaded.stop_token_ids = (tokens[n - 1],)
+        return loaded
+
+    monkeypatch.setattr(models_cli, "_load", stops_at_token_n)
+    _typing(monkeypatch, ["hi"])
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", str(n), "--temperature", "5", "--seed", "0"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"generation: {n} tokens" in err and "answer cut" not in err
+
+
+def test_a_conversation_past_the_context_drops_its_oldest_turns_once(
+        tiny: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A conversation that outgrew the context was refused mid-session; now its oldest turns go, the system stays."""
+    prompts = _prompts(monkeypatch)
+    lines = [f"the sin {i}" for i in range(8)]
+    _typing(monkeypatch, lines)
+    assert main(["chat", "--gguf", tiny, "--system", "be brief", "--max-new-tokens", "6"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error" not in err
+    assert err.count("outgrew the model's context of 64 tokens") == 1
+    assert err.count("generation:") == len(lines)  # every line was answered
+    last = prompts[-1]
+    assert last[0] == {"role": "system", "content": "be brief"} and last[-1]["content"] == lines[-1]
+    assert [m["role"] for m in last[1:]] == ["user", "assistant"] * ((len(last) - 2) // 2) + ["user"]
+    assert len(last) < 2 * len(lines) + 1  # turns were dropped
+    assert last[1]["content"] != lines[0]
+
+
+def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(
+        tiny: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _typing(monkeypatch, ["the " * 80, "hi"])
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "2"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "no room left in the model's context length 64" in err
+    assert err.count("generation:") == 1  # "hi" was answered
+
+
+@pytest.mark.parametrize("template", ["{% for m in messages %}", "{{ messages[0]['content'] | nofilter }}"])
+def test_a_broken_chat_template_is_one_line_and_exit_2(tiny: str, template: str, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A template syntax error in the model file ended `attnkit chat` in a jinja2 traceback."""
+    load = models_cli._load
+
+    def broken(*args: Any) -> Any:
+        loaded = load(*args)
+        loaded.tokenizer.chat_template = template
+        return loaded
+
+    monkeypatch.setattr(models_cli, "_load", broken)
+    _typing(monkeypatch, ["hi"])
+    assert main(["chat", "--gguf", tiny]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("attnkit chat: error: ")]
+    assert len(errors) == 1 and err.endswith(errors[0] + "\n")  # one line, the last (after the load note)
+    assert "chat template" in errors[0]
+    assert main(["generate", "--chat", "--gguf", tiny, "hi"]) == 2
+    assert "chat template" in capsys.readouterr().err
+
+
+def _chat_process(tiny: str, stdin: bytes, *args: str) -> subprocess.CompletedProcess[bytes]:
+    code = "import sys; from attnkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "chat", "--gguf", tiny, *args], input=stdin,
+                          capture_output=True, timeout=120, check=False,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "200"})  # strict utf-8 stdin
+
+
+def test_undecodable_bytes_on_stdin_do_not_end_the_conversation(tiny: str, model: Any) -> None:
+    """A non-UTF-8 byte on stdin ended the session ("TextInputSequence must be str")."""
+    result = _chat_process(tiny, b"a\xe9\xff b\n\xc3\n/exit\n", "--max-new-tokens", "3")
+    err = result.stderr.decode()
+    assert result.returncode == 0, err
+    first = [{"role": "user", "content": "a\ufffd\ufffd b"}]  # one U+FFFD per byte that starts no character
+    second = [*first, {"role": "assistant", "content": _answer(model, first, 3)},
+              {"role": "user", "content": "\ufffd"}]
+    assert result.stdout.decode() == f"{_answer(model, first, 3)}\n{_answer(model, second, 3)}\n"
+    assert err.count("not valid UTF-8 is kept as \ufffd") == 1  # said once
+
+
+def test_sigint_during_an_answer_in_a_real_process_keeps_the_session(tmp_path: Path) -> None:
+    """The same Ctrl-C as above, delivered as a real SIGINT to a chat reading a pipe."""
+    import signal
+    import time
+
+    path = tmp_path / "long.gguf"
+    write_tiny_llama(path, context=100_000)
+    code = "import sys; from attnkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    chat = subprocess.Popen([sys.executable, "-c", code, "chat", "--gguf", str(path), "--max-new-tokens", "90000"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert chat.stdin is not None and chat.stdout is not None
+    chat.stdin.write(b"hi\n")
+    chat.stdin.flush()
+    assert chat.stdout.read(1) != b""  # the answer has started
+    time.sleep(0.5)
+    chat.send_signal(signal.SIGINT)
+    _, err = chat.communicate(b"/exit\n", timeout=120)
+    assert chat.returncode == 0, err.decode()
+    assert b"answer stopped by Ctrl-C" in err and b"Traceback" not in err
