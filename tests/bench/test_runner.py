@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from attnkit import cli
 from attnkit.bench import cases, command, report, runner
@@ -87,6 +88,9 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path, capsys):
     assert {r["contender"] for r in doc["results"]} == {"attnkit", "raw-sdpa", "core-chunked"}
     assert all(r["status"] == "ok" and len(r["times_ms"]) == 2 for r in doc["results"])
     assert doc["environment"]["torch"] and doc["matmul_gflops"] > 0
+    # the CPU's capability beside its name: numbers from an AVX2 and an AVX512 machine are not comparable
+    assert doc["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert f"cpu_capability: {torch.backends.cpu.get_cpu_capability()}" in out
     samples = doc["environment"]["matmul_samples_gflops"]  # one per group (two lengths), the best one used
     assert len(samples) == 2 and round(doc["matmul_gflops"]) == max(samples)
     assert "| contender |" in (tmp_path / "summary.md").read_text()
@@ -180,3 +184,32 @@ def test_python_dash_m_attnkit_bench_does_not_import_the_cli():
     assert "--suite" in proc.stdout
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "attnkit.bench.command" in imported and "attnkit.cli" not in imported
+
+
+def test_a_series_of_one_length_is_drawn_not_skipped(tmp_path, monkeypatch):
+    """`bench --quick` wrote time.png and memory.png with empty axes: one-point series were skipped."""
+    from attnkit.inspect import plot as plot_module
+
+    figures = []
+    make = plot_module.new_figure
+
+    def keep(*args, **kwargs):
+        figures.append(make(*args, **kwargs))
+        return figures[-1]
+
+    monkeypatch.setattr(plot_module, "new_figure", keep)
+    rows = [{"mode": "inference", "batch": 1, "seq_len": 512, "contender": name, "median_ms": 1.5 + i,
+             "peak_mib": 3.0 + i} for i, name in enumerate(["attnkit", "raw-sdpa"])]
+    written = report.plot(rows, tmp_path)
+    assert [p.name for p in written] == ["time.png", "memory.png"]
+    for figure in figures:
+        inference, training = figure.axes
+        assert len(inference.lines) == 2 and all(len(line.get_xdata()) == 1 for line in inference.lines)
+        assert not training.lines and "no training rows" in training.texts[0].get_text()
+
+
+def test_a_run_with_no_layer_rows_writes_no_empty_plot(tmp_path):
+    """The committed keymask run (decode rows only) had an empty time.png."""
+    rows = [{"mode": "decode", "batch": 1, "seq_len": 512, "contender": "decode-attnkit-cache", "median_ms": 0.7,
+             "kind": "decode"}]
+    assert report.plot(rows, tmp_path) == [] and not list(tmp_path.iterdir())

@@ -273,7 +273,11 @@ def _report_cases(rows: list[Row], matmul: float, env: dict[str, Any], options: 
     (out / "summary.md").write_text(report.markdown(rows, found, env, matmul))
     written = [out / "results.json", out / "summary.md"]
     try:
-        written += report.plot(rows, out)
+        plots = report.plot(rows, out)
+        if not plots:
+            console.print(plain("no time.png / memory.png: they draw layer rows at B=1 against T, and this run "
+                                "has none (its rows are in summary.md)"))
+        written += plots
     except MissingDependencyError as err:
         console.print(plain(f"no plots: {err}"))
     return written

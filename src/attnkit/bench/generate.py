@@ -128,7 +128,8 @@ def run_generate_suite(*, dtype: str = "float32", prompt_lens: tuple[int, ...] =
     say = log or (lambda _: None)
     model = load_smollm2(dtype=_DTYPES[dtype])
     contenders = _contenders(model, dtype, new_tokens, include_transformers)
-    env = {"dtype": dtype, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    env = {"dtype": dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     rows: list[dict[str, Any]] = []
     bound = decode_bound_seconds(model)
     rows.append({"kind": "bound", **env, "seconds_per_pass": bound, "decode_tokens_per_s": 1 / bound})

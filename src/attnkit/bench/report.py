@@ -272,9 +272,15 @@ def _style(contender: str) -> dict[str, Any]:
 
 
 def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
-    """Time and peak memory against T (log scales), per mode, for batch 1 layer contenders."""
+    """Time and peak memory against T (log scales), per mode, for batch 1 layer contenders.
+
+    A contender timed at one length is drawn as a single marker; a run with no
+    such rows (decode or core cases only) gets no plot: [] is returned.
+    """
     from attnkit.inspect.plot import new_figure
 
+    if not any(r.get("kind", "layer") == "layer" and r["batch"] == 1 and r.get("median_ms") for r in rows):
+        return []
     written = []
     for metric, label, name in (("median_ms", "ms per call", "time.png"), ("peak_mib", "peak extra MiB", "memory.png")):
         fig = new_figure(11, 4.2)
@@ -285,15 +291,17 @@ def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
                 if r["mode"] == mode and r["batch"] == 1 and r.get(metric) and r.get("kind", "layer") == "layer":
                     series.setdefault(r["contender"], []).append((r["seq_len"], r[metric]))
             lines = 0
-            for contender, points in sorted(series.items()):
-                if len(points) > 1:
-                    xs, ys = zip(*sorted(points), strict=True)
-                    ax.plot(xs, ys, label=contender, **_style(contender))
-                    lines += 1
+            for contender, points in sorted(series.items()):  # a single length is drawn as its marker alone
+                xs, ys = zip(*sorted(points), strict=True)
+                ax.plot(xs, ys, label=contender, **_style(contender))
+                lines += 1
             ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel=label, title=f"{mode}, B=1")
             ax.grid(True, which="both", alpha=0.3)
             if lines:
                 ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, f"no {mode} rows at B=1 in this run", ha="center", va="center",
+                        transform=ax.transAxes, color="gray")
         fig.savefig(out_dir / name, dpi=110)
         written.append(out_dir / name)
     return written

@@ -246,7 +246,8 @@ def _cpu_name() -> str:
 
 def environment(device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
     env = {"device": device, "dtype": dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "python": platform.python_version(), "cpu": _cpu_name(), "cpu_count": os.cpu_count()}
+           "python": platform.python_version(), "cpu": _cpu_name(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count()}
     if device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(device)
     try:
