@@ -7,6 +7,7 @@ executed in memory; each starts with a markdown cell saying what it does.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def test_there_are_four_notebooks_stored_without_outputs() -> None:
         nb = nbformat.read(path, as_version=4)
         assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# "), path.name
         for cell in nb.cells:
+            assert cell.get("id"), f"{path.name}: a cell without an id (nbformat warns; it will be an error)"
             if cell.cell_type == "code":
                 assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: outputs not stripped"
 
@@ -56,4 +58,8 @@ def test_notebook_runs_top_to_bottom(path: Path, kernel_dir: Path, monkeypatch: 
     client.execute()  # raises CellExecutionError naming the cell on the first error
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert errors == []
+    figures = [c for c in nb.cells if c.cell_type == "code" and re.search(r"\bplot_\w+\(", c.source)]
+    assert figures or not path.name.startswith("03"), "notebook 03 draws heatmaps"
+    for cell in figures:  # a heatmap cell showed only "<Figure size ...>", no image
+        assert any("image/png" in o.get("data", {}) for o in cell.outputs), f"{path.name}: {cell.source[:60]!r}"
     assert all(c.execution_count is not None for c in nb.cells if c.cell_type == "code")

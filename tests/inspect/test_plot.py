@@ -74,3 +74,19 @@ def test_dollar_signs_in_tokens_and_titles_are_not_math_text(tmp_path):
     labels = [t.get_text() for t in panel.get_yticklabels()]
     assert [label.replace("\\$", "$") for label in labels] == tokens
     plot_model_view(torch.rand(1, 1, 3, 3), tokens, layer_names=["$\\frac$"]).savefig(tmp_path / "model.png")
+
+
+def test_heatmaps_name_their_axes_and_wrap_a_long_title():
+    """Heatmaps had no axis names; `explain --png`'s long title was cut off at the figure's edge."""
+    import torch
+
+    from attnkit.inspect.plot import plot_heads, plot_model_view
+
+    title = "attnkit explain: textbook MultiHeadAttention(d_in=3, d_out=4, num_heads=2) " * 2
+    fig = plot_heads(torch.softmax(torch.randn(3, 4, 4), -1), list("abcd"), title=title, columns=2)
+    shown = [ax for ax in fig.axes if ax.get_images()]
+    assert {ax.get_ylabel() for ax in shown if ax.get_ylabel()} == {"queries"}
+    assert {ax.get_xlabel() for ax in shown if ax.get_xlabel()} == {"keys"}
+    assert fig._suptitle.get_wrap()
+    view = plot_model_view(torch.softmax(torch.randn(2, 2, 3, 3), -1), list("abc"), title=title)
+    assert "queries down, keys across" in view._supxlabel.get_text() and view._suptitle.get_wrap()

@@ -14,6 +14,8 @@ Legend: L layers, H heads, T queries, S keys.
 
 from __future__ import annotations
 
+import functools
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,10 +26,22 @@ from attnkit._optional import require
 FEATURE = "attnkit's heatmaps"
 
 
+def _png(figure: Any) -> bytes:
+    """The figure as PNG bytes: what a notebook shows for it (``_repr_png_``)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
 def new_figure(width: float, height: float) -> Any:
-    """A Figure attached to an Agg canvas (so savefig works without pyplot)."""
+    """A Figure attached to an Agg canvas (so savefig works without pyplot), shown as an image in notebooks.
+
+    Without pyplot, Jupyter knows no way to draw the figure and shows only
+    ``<Figure size ...>``; the instance's ``_repr_png_`` gives it one.
+    """
     figure = require("matplotlib.figure", FEATURE).Figure(figsize=(width, height), layout="constrained")
     require("matplotlib.backends.backend_agg", FEATURE).FigureCanvasAgg(figure)
+    figure._repr_png_ = functools.partial(_png, figure)
     return figure
 
 
@@ -74,9 +88,13 @@ def plot_heads(weights: Tensor, tokens: Sequence[str], key_tokens: Sequence[str]
         ax.set_title(f"head {h}", fontsize=9)
         ax.set_xticks(range(s), keys, rotation=90, fontsize=7)
         ax.set_yticks(range(t), queries, fontsize=7)
+        if h // cols == rows - 1 or h + cols >= heads:  # the bottom heatmap of each column
+            ax.set_xlabel("keys", fontsize=8)
+        if h % cols == 0:
+            ax.set_ylabel("queries", fontsize=8)
     fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
     if title:
-        fig.suptitle(_plain(title))
+        fig.suptitle(_plain(title), wrap=True)  # wrapped to the figure's width: a long title is never cut
     return fig
 
 
@@ -101,6 +119,7 @@ def plot_model_view(weights: Tensor, tokens: Sequence[str], *, title: str | None
         if head == 0:
             ax.set_ylabel(names[layer], fontsize=8)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.supxlabel("each heatmap: queries down, keys across", fontsize=8)
     if title:
-        fig.suptitle(_plain(title))
+        fig.suptitle(_plain(title), wrap=True)  # wrapped to the figure's width: a long title is never cut
     return fig
