@@ -159,10 +159,10 @@ def test_truncate_cuts_long_text_with_a_warning(capsys):
 def test_missing_optional_dependency_names_the_extra(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "rich.console", None)
     code, _, err = run(capsys)
-    assert code == 2 and "pip install 'attnkit[cli]'" in err
+    assert code == 2 and "pip install -c constraints.txt 'attnkit[cli]'" in err
 
 
-# Issue 13, item 11: the user's text is data, every error is one line and exit code 2.
+# The user's text is data, every error is one line and exit code 2.
 
 @pytest.mark.parametrize("words", [["[/red]", "hi"], ["[red]", "cat"], ["\\", "[/]", "[bold"]])
 def test_user_text_is_not_read_as_rich_markup(capsys, words):
@@ -228,14 +228,14 @@ def test_bench_device_without_cuda_is_one_line(capsys, monkeypatch, tmp_path):
 def test_bench_plot_hint_names_the_viz_extra(capsys, monkeypatch, tmp_path):
     """Without matplotlib the hint printed `pip install 'attnkit'`: rich took `[viz]` for markup."""
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    code = cli.main(["bench", "--suite", "custom", "--contenders", "core-chunked", "--seq-lens", "16",
+    code = cli.main(["bench", "--suite", "custom", "--contenders", "attnkit", "--seq-lens", "16",
                      "--repeats", "1", "--no-memory", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "no plots:" in out and "pip install 'attnkit[viz]'" in " ".join(out.split())
+    assert "no plots:" in out and "pip install -c constraints.txt 'attnkit[viz]'" in " ".join(out.split())
 
 
-# Issue 20, item 9: every error is one line and exit code 2, output paths are checked before the work.
+# Every error is one line and exit code 2, output paths are checked before the work.
 
 @pytest.mark.parametrize("command", [["explain"], ["train", "induction"], ["chat"], ["generate", "hi"],
                                      ["bench"], ["serve"]])
@@ -309,7 +309,7 @@ def test_ctrl_c_is_exit_130_in_one_line_without_traceback(capsys, monkeypatch):
     assert err.strip() == "attnkit explain: interrupted"
 
 
-# Issue 20, item 14: explain --model smollm2 --truncate truncates, to a length whose records fit in memory.
+# `explain --model smollm2 --truncate` truncates, to a length whose records fit in memory.
 
 def test_the_decoder_cap_of_help_is_the_librarys():
     from attnkit.inspect import explain

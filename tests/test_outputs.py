@@ -1,4 +1,4 @@
-"""attnkit._outputs: the paths a command will write are checked before the work (issue 20, item 9)."""
+"""attnkit._outputs: the paths a command will write are checked before the work."""
 
 from __future__ import annotations
 

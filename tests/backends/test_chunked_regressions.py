@@ -1,4 +1,4 @@
-"""Regressions of the chunked kernel (issue 13, items 1 and 7) and its block API."""
+"""Regressions of the chunked kernel and its block API."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ def _second_order(backend: str) -> tuple[torch.Tensor, ...]:
 
 
 def test_double_backward_through_chunked_is_not_silently_constant():
-    """Issue 13.1: create_graph=True through chunked gave a gradient with requires_grad=False (a penalty on
+    """create_graph=True through chunked gave a gradient with requires_grad=False (a penalty on
     it got zero gradient). Second-order gradients now equal the math backend's."""
     for got, expected in zip(_second_order("chunked"), _second_order("math"), strict=True):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-9)
 
 
 def test_chunked_under_torch_func_vmap_and_grad():
-    """Issue 13.7: vmap failed ("inplace arithmetic ... not possible") and torch.func.grad failed ("must
+    """vmap failed ("inplace arithmetic ... not possible") and torch.func.grad failed ("must
     override the setup_context staticmethod"). Both now give the math backend's results."""
     q, k, v = (x.detach() for x in _qkv())
     mask = torch.rand(2, 7, generator=torch.Generator().manual_seed(2)) > 0.3

@@ -67,7 +67,7 @@ def test_padding_mask_pads_each_row_by_its_own_share():
 
 
 def test_padded_contenders_attend_to_real_keys_only():
-    """The causal + padding rows (issue 13, item 13) time the function they claim to."""
+    """The causal + padding rows time the function they claim to."""
     reference = reference_layer()
     x = torch.randn(3, T, C, dtype=torch.float64)
     keys = padding_mask(3, T)  # (B, S)

@@ -107,7 +107,7 @@ def test_hovering_a_token_draws_its_weights(browser, tmp_path):
 
 
 def test_title_holding_the_data_placeholder_keeps_the_json_out_of_the_title():
-    """A text containing `__DATA__` put the page's JSON into its <title> (issue 13, item 12)."""
+    """A text containing `__DATA__` put the page's JSON into its <title>."""
     tokens = ["__DATA__", "__TITLE__", "c", "d", "e"]
     page = render_page(tokens, _layers()[:1], title="see __DATA__ and __TITLE__")
     assert "<title>see __DATA__ and __TITLE__</title>" in page

@@ -59,7 +59,7 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"needs the optional package 'matplotlib', which is not installed: "
-                                          r"pip install 'attnkit\[viz\]'"):
+                                          r"pip install -c constraints.txt 'attnkit\[viz\]'"):
         plot_heads(torch.rand(1, 2, 2), ["a", "b"])
 
 

@@ -1,4 +1,4 @@
-"""``attnkit chat`` as people use it (issue 20, items 8 and 10), on a tiny GGUF file (--gguf).
+"""``attnkit chat`` as people use it, on a tiny GGUF file (--gguf).
 
 Typed lines come from a patched ``input()``; Ctrl-C is a KeyboardInterrupt raised where the terminal would raise
 it. Undecodable bytes go through a real pipe into a subprocess. Line editing and history (readline) were checked by

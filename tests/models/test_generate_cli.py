@@ -118,7 +118,7 @@ def test_chat_exit_command(tiny: str, monkeypatch: pytest.MonkeyPatch, capsys: p
     assert capsys.readouterr().out == ""
 
 
-# Issue 20, item 9: every error of a malformed model file is one line and exit code 2.
+# Every error of a malformed model file is one line and exit code 2.
 
 def _corrupted(tiny: str, tmp_path: Path, how: str) -> Path:
     """The tiny file cut short, with bytes overwritten in its header or metadata, or with a bad value."""

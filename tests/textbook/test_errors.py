@@ -78,8 +78,6 @@ def test_transfer_refuses_bias_and_mismatched_shapes():
         tb.transfer_v2_to_v1(tb.SelfAttention_v2(3, 2), tb.SelfAttention_v1(3, 4))
 
 
-# Issue 13, item 12, and issue 14, item 4.
-
 def test_loops_accept_the_batched_input_the_module_docstring_promises():
     """attn_scores_loop and context_vec_loop failed on (B, T, d) input."""
     batch = torch.randn(2, 5, 3, dtype=torch.float64)

@@ -69,7 +69,7 @@ def test_a_missing_matplotlib_hint_keeps_its_brackets(monkeypatch, tmp_path, cap
     assert "pip install 'attnkit[viz]'" in " ".join(capsys.readouterr().out.split())
 
 
-# Issue 20, item 9: a huge size, an --out that is a file and Ctrl-C are one line (Ctrl-C: exit 130, files saved).
+# A huge size, an --out that is a file and Ctrl-C are one line (Ctrl-C: exit 130, files saved).
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--vocab-size", "100000000"], "--vocab-size 100000000 with --seq-len 32 needs about 4577.6 GiB"),

@@ -97,7 +97,7 @@ def padding() -> list[Case]:
     """Causal attention with a key padding mask (the common training case) beside causal alone.
 
     Time and peak memory of the layer and the kernels, where "auto" must not build a
-    dense (B, 1, T, S) mask that chunked avoids (issue 13, item 13).
+    dense (B, 1, T, S) mask that chunked avoids.
     """
     return grid(PADDED, ["inference", "training"], [1], [1024, 4096, 8192])
 

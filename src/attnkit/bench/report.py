@@ -1,4 +1,4 @@
-"""Reporting benchmark results: a table, JSON, markdown, plots, and the targets of issue 5.
+"""Reporting benchmark results: a table, JSON, markdown, plots, and the targets.
 
 Ratios compare rows of one run only (same mode, batch and length): the
 machines are shared and noisy, so absolute times from different runs are not
