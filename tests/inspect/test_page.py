@@ -100,6 +100,13 @@ def test_hovering_a_token_draws_its_weights(browser, tmp_path):
     assert len(cells) == 25
     for q, k, value in cells:
         assert abs(value - weights[2, q, k].item()) < 1e-4
+    # the heatmap has a colour scale and says which axis is which; the head view's controls are hidden
+    assert page.is_visible("#scale") and "queries" in page.text_content("#scale")
+    assert "linear-gradient" in page.eval_on_selector("#scale-bar", "b => b.style.background")
+    assert not page.is_visible("#heads") and not page.is_visible("#status")
+    page.click("#show-head-view")
+    assert page.is_visible("#heads") and not page.is_visible("#scale")
+    page.click("#show-heatmap")
     page.screenshot(path=str(tmp_path / "heatmap.png"))
     assert (tmp_path / "head-view.png").read_bytes()[:4] == b"\x89PNG"
     assert errors == [] and all(url.startswith("file://") for url in requests)
