@@ -88,3 +88,38 @@ def test_a_token_type_list_of_the_wrong_length_is_named() -> None:
     metadata["tokenizer.ggml.token_type"] = metadata["tokenizer.ggml.token_type"][:-5]
     with pytest.raises(ValueError, match=r"token_type has 49147 entries but tokenizer.ggml.tokens has 49152"):
         GGUFTokenizer.from_metadata(metadata, context_length=2048)
+
+
+def test_one_bos_as_transformers_apply_chat_template_on_a_file_whose_template_writes_it(tmp_path: Any) -> None:
+    """A GGUF file (written here with SmolLM2's vocabulary) whose template writes {{ bos_token }} and whose
+    tokenizer adds a BOS: chat_ids equals transformers' apply_chat_template(tokenize=True), one BOS."""
+    gguf = need("gguf")
+    transformers = need("transformers")
+    import numpy as np
+
+    from attnkit.models.gguf import read_gguf
+    from attnkit.models.loader import smollm2_path
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+    source = read_gguf(smollm2_path()).metadata
+    writer = gguf.GGUFWriter(str(tmp_path / "bos.gguf"), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 2048),
+                       (writer.add_embedding_length, 8), (writer.add_feed_forward_length, 8),
+                       (writer.add_head_count, 2), (writer.add_head_count_kv, 1), (writer.add_tokenizer_model, "gpt2"),
+                       (writer.add_tokenizer_pre, "smollm"), (writer.add_token_list, source["tokenizer.ggml.tokens"]),
+                       (writer.add_token_types, source["tokenizer.ggml.token_type"]),
+                       (writer.add_token_merges, source["tokenizer.ggml.merges"]), (writer.add_bos_token_id, 0),
+                       (writer.add_eos_token_id, 2), (writer.add_pad_token_id, 2), (writer.add_add_bos_token, True)):
+        add(value)
+    writer.add_chat_template("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    writer.add_tensor("token_embd.weight", np.zeros((len(source["tokenizer.ggml.tokens"]), 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="bos.gguf")
+    expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+    ours = GGUFTokenizer.from_metadata(read_gguf(tmp_path / "bos.gguf").metadata, context_length=2048)
+    assert ours.chat_ids(messages) == expected and expected.count(0) == 1 and expected[0] == 0
