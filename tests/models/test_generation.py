@@ -123,14 +123,15 @@ def test_stop_ids_end_a_row_and_pad_it(tiny32: Any) -> None:
     batch = tiny32.tokenize(["the sin", "a"])
     free = tiny32.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8, stop_ids=[])
     width = batch["input_ids"].shape[1]
-    stop = int(free[0, width + 2])  # row 0's third new token
-    first_in_row1 = [i for i, t in enumerate(free[1, width:].tolist()) if t == stop]
-    out = tiny32.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8, stop_ids=[stop])
-    row0 = out[0, width:].tolist()
-    end0 = row0.index(stop)
-    assert end0 <= 2 and all(t == tiny32.pad_token_id for t in row0[end0 + 1 :])
-    if not first_in_row1:  # row 1 never stops: it runs the full length, unchanged
-        assert out.shape[1] == width + 8 and out[1].tolist() == free[1].tolist()
+    rows = [free[r, width:].tolist() for r in range(2)]
+    stops = [rows[0][2], rows[1][1]]  # a token of each row's answer ends it (or an earlier stop id does)
+    ends = [min(row.index(s) for s in stops if s in row) for row in rows]  # where each row stops
+    out = tiny32.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8, stop_ids=stops)
+    assert out.shape[1] == width + max(ends) + 1  # the batch ended as soon as every row had stopped
+    for r in range(2):
+        new = out[r, width:].tolist()
+        assert new[: ends[r] + 1] == rows[r][: ends[r] + 1]  # unchanged up to and with its stop id
+        assert all(t == tiny32.pad_token_id for t in new[ends[r] + 1 :])  # then only padding
 
 
 def test_default_stop_ids_are_end_of_turn_tokens(tiny32: Any) -> None:

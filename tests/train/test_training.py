@@ -76,11 +76,17 @@ def test_a_seed_fixes_every_number_and_another_seed_changes_them():
     assert [h["step"] for h in first.history] == [1, 4, 8, 12]
 
 
-def test_progress_sees_every_step():
+def test_progress_sees_every_step_with_the_loss_the_history_records():
+    """`loss > 0` passed for any loss: progress must report the very training loss of that step."""
     seen = []
-    train_induction(InductionConfig(steps=5, eval_every=2, eval_batch_size=8),
-                    progress=lambda step, loss, best: seen.append((step, loss > 0, 0 <= best <= 1)))
-    assert seen == [(s, True, True) for s in range(1, 6)]
+    run = train_induction(InductionConfig(steps=5, eval_every=2, eval_batch_size=8),
+                          progress=lambda step, loss, best: seen.append((step, loss, best)))
+    assert [step for step, _, _ in seen] == [1, 2, 3, 4, 5]
+    by_step = {step: loss for step, loss, _ in seen}
+    assert len(run.history) >= 2
+    for record in run.history:
+        assert by_step[record["step"]] == pytest.approx(record["train_loss"])
+    assert all(0 <= best <= 1 for _, _, best in seen)
 
 
 def test_unusable_device_is_a_clear_error():
