@@ -208,8 +208,25 @@ def test_a_function_calling_attention_outside_any_attnkit_module_is_traced():
 
 
 def test_tracing_keeps_no_slot_on_layers():
-    """Layers carry nothing for tracing: the old MultiHeadAttention held an observer attribute."""
-    assert not [name for name in vars(MultiHeadAttention(4, 4, 2)) if "observ" in name]
+    """Layers carry nothing for tracing (the old MultiHeadAttention held an observer): tracing a layer leaves its
+    attributes, its state dict and its output exactly as they were, and a copy made after tracing records nothing."""
+    import copy
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(4, 4, 2).eval()
+    x = torch.randn(1, 3, 4)
+    before_attrs, before_state, before_out = dict(vars(layer)), copy.deepcopy(layer.state_dict()), layer(x)
+    with attnkit.trace(layer) as t:
+        layer(x)
+    assert len(t.records) == 1
+    assert dict(vars(layer)).keys() == before_attrs.keys()
+    assert all(vars(layer)[k] is v for k, v in before_attrs.items() if k != "_forward_hooks")
+    torch.testing.assert_close(layer.state_dict(), before_state)
+    torch.testing.assert_close(layer(x), before_out)
+    twin = copy.deepcopy(layer)
+    with attnkit.trace(layer) as t:
+        twin(x)  # not the traced layer: nothing is recorded through a slot the copy carried over
+    assert t.records == []
 
 
 def test_another_thread_running_modules_does_not_drop_records():
