@@ -98,3 +98,39 @@ def test_remembered_angles_never_leak_an_inference_tensor_into_autograd():
     rotated.sum().backward()
     torch.testing.assert_close(rotated.detach(), expected[0])
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_linear_scaling_divides_every_position():
+    """scaling=4 at position 4p is plain RoPE at p, through rotate, offsets and per-row positions alike."""
+    plain, scaled = RotaryEmbedding(16), RotaryEmbedding(16, scaling=4.0)
+    q, k = torch.randn(2, 3, 5, 16, dtype=torch.float64), torch.randn(2, 3, 5, 16, dtype=torch.float64)
+    torch.testing.assert_close(scaled.rotate(q, torch.arange(0, 20, 4)), plain.rotate(q, torch.arange(5)))
+    rows = torch.tensor([[0, 4, 8, 12, 16], [40, 44, 48, 52, 56]])
+    expected = plain(q, k, positions=rows // 4)
+    for ours, theirs in zip(scaled(q, k, positions=rows), expected, strict=True):
+        torch.testing.assert_close(ours, theirs)
+    q_off, _ = scaled(q, k, offset=8)  # positions 8 .. 12: plain 2, 2.25, ..., 3
+    torch.testing.assert_close(q_off[..., ::4, :], plain.rotate(q[..., ::4, :], torch.tensor([2, 3])))
+    assert not torch.allclose(q_off, plain(q, k, offset=8)[0])  # scaling is not ignored
+
+
+def test_remembered_angles_are_not_shared_across_scalings():
+    """Angles remembered for one scaling must not be reused after it changes."""
+    rope = RotaryEmbedding(8)
+    q = torch.randn(1, 1, 3, 8, dtype=torch.float64)
+    before, _ = rope(q, q, offset=5)
+    rope.scaling = 2.0
+    after, _ = rope(q, q, offset=5)
+    torch.testing.assert_close(after, RotaryEmbedding(8, scaling=2.0)(q, q, offset=5)[0])
+    assert not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("scaling", [0, -1.0, float("nan"), float("inf"), True, "4"])
+def test_bad_scaling_is_named(scaling):
+    with pytest.raises(ValueError, match=rf"scaling must be a finite number > 0, got scaling={scaling!r}"):
+        RotaryEmbedding(8, scaling=scaling)
+
+
+def test_repr_shows_scaling_only_when_used():
+    assert repr(RotaryEmbedding(8)) == "RotaryEmbedding(head_dim=8, base=10000)"
+    assert repr(RotaryEmbedding(8, scaling=4)) == "RotaryEmbedding(head_dim=8, base=10000, scaling=4)"

@@ -51,6 +51,20 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
 
+    def __post_init__(self) -> None:
+        """Sizes that cannot describe a model are refused by field name (num_heads=0 divided by zero)."""
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "ffn_size", "context_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LlamaConfig {name}={value!r} cannot describe a model: expected an integer >= 1")
+        if self.d_model % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"LlamaConfig needs num_heads to divide d_model and num_kv_heads to divide num_heads, "
+                             f"got d_model={self.d_model}, num_heads={self.num_heads}, "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"LlamaConfig head dim d_model / num_heads = {self.d_model // self.num_heads} must be "
+                             "even for the rotary embedding")
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads

@@ -15,7 +15,7 @@ Legend: V vocabulary, C width, H query heads, G key/value heads, D head dim, I f
 from __future__ import annotations
 
 import importlib.util
-import warnings
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit._cpu import SlowDtypeWarning as SlowDtypeWarning  # re-exported: load_gguf warns with it
+from attnkit._cpu import warn_if_slow_dtype
 from attnkit._optional import MissingDependencyError
 from attnkit.modules.quantize import WEIGHT_FORMS, quantize
 
@@ -33,10 +35,6 @@ from .tokenizer import GGUFTokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-class SlowDtypeWarning(UserWarning):
-    """The dtype asked for has no fast arithmetic on this CPU."""
 
 
 def _positive(metadata: Mapping[str, Any], key: str, default: int | None = None) -> int:
@@ -51,29 +49,39 @@ def _positive(metadata: Mapping[str, Any], key: str, default: int | None = None)
 def rope_scaling(metadata: Mapping[str, Any]) -> float:
     """The linear RoPE factor a file asks for (1.0: none); any other scaling type is refused by name.
 
-    As llama.cpp reads them: ``llama.rope.scaling.type`` (missing with a factor
-    given: "linear"), ``llama.rope.scaling.factor``, and the older
-    ``llama.rope.scale_linear``.
+    As llama.cpp reads them: ``llama.rope.scaling.type`` ("linear" when
+    missing; "none"), ``llama.rope.scaling.factor`` or else the older
+    ``llama.rope.scale_linear`` (missing or 0: no scaling), and
+    ``llama.rope.scaling.attn_factor``, which must be 1.
     """
-    factor = metadata.get("llama.rope.scaling.factor", metadata.get("llama.rope.scale_linear"))
-    kind = metadata.get("llama.rope.scaling.type", "linear" if factor is not None else "none")
-    if kind in ("none", None):
+    kind = metadata.get("llama.rope.scaling.type", "linear")
+    if kind == "none":
         return 1.0
     if kind != "linear":
         raise ValueError(f"RoPE scaling {kind!r} (llama.rope.scaling.type) is not supported; only 'linear' is")
-    if factor is None:
-        raise ValueError("llama.rope.scaling.type is 'linear' but the metadata gives no llama.rope.scaling.factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise ValueError(f"llama.rope.scaling.factor = {factor!r} must be a number > 0")
+    key = "llama.rope.scaling.factor" if "llama.rope.scaling.factor" in metadata else "llama.rope.scale_linear"
+    factor = metadata.get(key)
+    if factor is None or (isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor == 0):
+        return 1.0  # llama.cpp: 0 = not scaled
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"{key} = {factor!r} cannot scale RoPE: expected a finite number > 0 (or 0: none)")
+    attn_factor = metadata.get("llama.rope.scaling.attn_factor", 1.0)
+    if attn_factor != 1:  # llama.cpp scales cos and sin by it
+        raise ValueError(f"llama.rope.scaling.attn_factor = {attn_factor!r} is not supported (only 1)")
     return float(factor)
 
 
-def llama_config(metadata: Mapping[str, Any], *, tie_embeddings: bool = True) -> LlamaConfig:
-    """The config of a ``general.architecture = "llama"`` file, every value checked."""
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"architecture {arch!r} is not supported: only Llama-architecture GGUF files "
-                         "(general.architecture = 'llama') can be loaded")
+def _number(metadata: Mapping[str, Any], key: str, default: float, *, above: float) -> float:
+    """A finite float greater than ``above``; a ValueError naming the key otherwise."""
+    value = metadata.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > above):
+        raise ValueError(f"the GGUF metadata's {key} = {value!r} cannot describe a model: expected a finite "
+                         f"number > {above:g}")
+    return float(value)
+
+
+def _heads(metadata: Mapping[str, Any]) -> tuple[int, int, int]:
+    """Width C, query heads H and key/value heads G, checked to divide: H | C, G | H, C / H even."""
     d = _positive(metadata, "llama.embedding_length")
     heads = _positive(metadata, "llama.attention.head_count")
     kv_heads = _positive(metadata, "llama.attention.head_count_kv", heads)
@@ -90,14 +98,36 @@ def llama_config(metadata: Mapping[str, Any], *, tie_embeddings: bool = True) ->
     if rope_dims != d // heads:
         raise ValueError(f"partial rotary embedding (llama.rope.dimension_count = {rope_dims!r}, head dim "
                          f"{d // heads}) is not supported")
-    vocab = metadata.get("llama.vocab_size", metadata.get("tokenizer.ggml.tokens"))
-    return LlamaConfig(vocab_size=vocab if isinstance(vocab, int) else len(vocab or ()), d_model=d,
+    if (d // heads) % 2:
+        raise ValueError(f"llama.embedding_length / llama.attention.head_count = {d} / {heads} = {d // heads}: "
+                         "rotary embedding needs an even head dim")
+    return d, heads, kv_heads
+
+
+def _vocab_size(metadata: Mapping[str, Any]) -> int:
+    """``llama.vocab_size``, or else the length of ``tokenizer.ggml.tokens``."""
+    if "llama.vocab_size" in metadata:
+        return _positive(metadata, "llama.vocab_size")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("the GGUF metadata gives no vocabulary: neither llama.vocab_size nor tokenizer.ggml.tokens")
+    return len(tokens)
+
+
+def llama_config(metadata: Mapping[str, Any], *, tie_embeddings: bool = True) -> LlamaConfig:
+    """The config of a ``general.architecture = "llama"`` file, every value checked."""
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"architecture {arch!r} is not supported: only Llama-architecture GGUF files "
+                         "(general.architecture = 'llama') can be loaded")
+    d, heads, kv_heads = _heads(metadata)
+    return LlamaConfig(vocab_size=_vocab_size(metadata), d_model=d,
                        num_layers=_positive(metadata, "llama.block_count"), num_heads=heads, num_kv_heads=kv_heads,
                        ffn_size=_positive(metadata, "llama.feed_forward_length"),
                        context_length=_positive(metadata, "llama.context_length", 2048),
-                       rope_base=float(metadata.get("llama.rope.freq_base", 10000.0)),
+                       rope_base=_number(metadata, "llama.rope.freq_base", 10000.0, above=1),
                        rope_scaling=rope_scaling(metadata),
-                       norm_eps=float(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+                       norm_eps=_number(metadata, "llama.attention.layer_norm_rms_epsilon", 1e-5, above=0),
                        tie_embeddings=tie_embeddings)
 
 
@@ -159,16 +189,6 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
     return out
 
 
-def warn_if_slow(dtype: torch.dtype) -> None:
-    """One warning when bfloat16 / float16 is asked for on a CPU without fast arithmetic for it."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    fast = {torch.bfloat16: ("AMX", "AVX512_BF16"), torch.float16: ("AMX", "AVX512_FP16")}
-    if dtype in fast and not any(c in capability for c in fast[dtype]):
-        warnings.warn(f"{dtype} on this CPU (PyTorch reports capability {capability!r}: no native "
-                      f"{str(dtype).removeprefix('torch.')} arithmetic) is several times slower than float32; "
-                      "float32 is the faster choice here", SlowDtypeWarning, stacklevel=3)
-
-
 def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
               progress: Callable[[int, int], None] | None = None, weights: str = "float32") -> LlamaModel:
     """A Llama-architecture GGUF file as a :class:`LlamaModel` in eval mode, with its tokenizer.
@@ -178,7 +198,9 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     ("float32", "float16": :mod:`attnkit.modules.quantize`) is the form the
     linear layers are kept in (activations stay float32). Unsupported
     architectures, inconsistent metadata, wrong tensor shapes and corrupt
-    files raise ValueError naming them.
+    files raise ValueError naming them. A ``dtype`` this CPU has no native
+    arithmetic for (bfloat16 without AVX512-BF16 or AMX) loads with a
+    :class:`SlowDtypeWarning`: float32 runs several times faster there.
     """
     if weights not in WEIGHT_FORMS:
         raise ValueError(f"unknown weight form {weights!r}; known: {', '.join(WEIGHT_FORMS)}")
@@ -187,7 +209,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
                          f"got {dtype}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got dtype={dtype!r}")
-    warn_if_slow(dtype)
+    warn_if_slow_dtype(dtype, "cpu", stacklevel=2)  # the model is built on the CPU
     file = read_gguf(path)
     config = llama_config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
     tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=config.context_length)
