@@ -19,6 +19,18 @@ def test_the_default_layer_takes_a_fused_sdpa_kernel(kv_heads):
     layer = attnkit.MultiHeadAttention(512, 512, 8, num_kv_heads=kv_heads, rope=True).cuda().bfloat16().eval()
     x = torch.randn(2, 256, 512, device="cuda", dtype=torch.bfloat16)
     expected = layer(x)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
-        fused = layer(x)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    # attnkit's own router could leave SDPA (for chunked or math) and the kernel restriction would never notice:
+    # count the calls that reach SDPA, and require them to carry no dense mask (the fused kernels' fast path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            fused = layer(x)
+    assert len(calls) == 1 and calls[0] is None
     torch.testing.assert_close(fused, expected)

@@ -177,7 +177,15 @@ def test_attn_mask_and_key_mask_together():
 
 
 def test_grouped_and_multi_query_projection_sizes():
+    """Multi-query: one key/value head serves every query head (a wrong head mapping changes the values)."""
     assert MultiHeadAttention(16, 16, 4, num_kv_heads=2).qkv_proj.out_features == (4 + 2 * 2) * 4
-    mqa = MultiHeadAttention(16, 16, 4, num_kv_heads=1)
+    torch.manual_seed(0)
+    mqa = MultiHeadAttention(16, 16, 4, num_kv_heads=1).double()
     assert mqa.qkv_proj.out_features == (4 + 2) * 4
-    assert mqa(torch.randn(1, 3, 16)).shape == (1, 3, 16)
+    full = MultiHeadAttention(16, 16, 4).double()  # the same layer with its key/value head copied to all four
+    with torch.no_grad():
+        q, k, v = mqa.qkv_proj.weight.split([16, 4, 4])
+        full.qkv_proj.weight.copy_(torch.cat([q, k.repeat(4, 1), v.repeat(4, 1)]))
+        full.out_proj.load_state_dict(mqa.out_proj.state_dict())
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    torch.testing.assert_close(mqa(x), full(x), atol=1e-12, rtol=1e-12)
