@@ -14,6 +14,7 @@ import argparse
 import codecs
 import io
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -95,6 +96,7 @@ def _note(console: Any, text: str) -> None:
 def _load(args: argparse.Namespace, console: Any) -> LlamaModel:
     import torch
 
+    from attnkit._cpu import SlowDtypeWarning
     from attnkit.models.loader import load_gguf, smollm2_path
     from attnkit.modules.quantize import default_form
 
@@ -108,9 +110,17 @@ def _load(args: argparse.Namespace, console: Any) -> LlamaModel:
             progress.update(task, completed=done, total=total)
 
         weights = args.weights or (default_form() if args.dtype == "float32" else "float32")
-        model = load_gguf(path, dtype=getattr(torch, args.dtype), progress=report, weights=weights)
+        with warnings.catch_warnings(record=True) as slow:  # said in one line below, not as Python's warning
+            warnings.simplefilter("always", SlowDtypeWarning)
+            model = load_gguf(path, dtype=getattr(torch, args.dtype), progress=report, weights=weights)
     _note(console, f"{path}: {weights} weights, {args.dtype} compute "
                    f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
+    escape = require("rich.markup", "attnkit generate").escape
+    for warning in slow:
+        if issubclass(warning.category, SlowDtypeWarning):
+            console.print(f"[yellow]warning:[/yellow] {escape(str(warning.message))}", soft_wrap=True)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return model
 
 
