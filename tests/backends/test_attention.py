@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import attnkit
 from attnkit import attention
 from attnkit.backends import BACKENDS, chunked
 from tests._reference import reference_attention
@@ -230,3 +231,41 @@ def test_inputs_are_not_modified(variant):
         attention(q, k, v, mask=mask, causal=True, backend=backend).sum().backward()
     for original, t in zip(before, (q, k, v, mask), strict=True):
         assert torch.equal(original, t.detach())
+
+
+def _qkv(b=2, h=4, g=2, t=5, s=5, d=8, dtype=torch.float64):
+    torch.manual_seed(0)
+    return (torch.randn(b, h, t, d, dtype=dtype), torch.randn(b, g, s, d, dtype=dtype),
+            torch.randn(b, g, s, d, dtype=dtype))
+
+
+@pytest.mark.parametrize("backend", [*BACKEND_NAMES, "auto"])
+def test_a_nan_query_gives_nan_in_its_row_in_every_backend(backend):
+    """Before: math and chunked gave NaN, sdpa and auto gave 0 (PyTorch's CPU flash kernel)."""
+    q, k, v = _qkv(dtype=torch.float32)
+    q[0, 1, 2, 3] = torch.nan
+    out = attnkit.attention(q, k, v, causal=True, backend=backend)
+    assert out[0, 1, 2].isnan().all()
+    clean = torch.ones_like(out, dtype=torch.bool)
+    clean[0, 1, 2] = False
+    assert not out[clean].isnan().any()
+
+
+@pytest.mark.parametrize("backend", [*BACKEND_NAMES, "auto"])
+def test_key_mask_is_the_same_as_its_4d_mask(backend):
+    q, k, v = _qkv(t=3, s=6)
+    key_mask = torch.tensor([[True] * 6, [False, False, True, True, True, False]])
+    expected = attnkit.attention(q, k, v, mask=key_mask[:, None, None, :], causal=True, backend="math")
+    torch.testing.assert_close(attnkit.attention(q, k, v, key_mask=key_mask, causal=True, backend=backend), expected)
+    extra = torch.rand(3, 6) > 0.3
+    both = attnkit.attention(q, k, v, key_mask=key_mask, mask=extra, causal=True, backend=backend)
+    torch.testing.assert_close(both, attnkit.attention(q, k, v, mask=key_mask[:, None, None, :] & extra,
+                                                       causal=True, backend="math"))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "auto", "math", "chunked"])
+def test_attention_runs_under_vmap(backend):
+    """The NaN check of the sdpa adapter was a data-dependent branch that vmap refuses."""
+    q = torch.randn(3, 1, 2, 4, 8)
+    out = torch.func.vmap(lambda a: attnkit.attention(a, a, a, backend=backend))(q)
+    torch.testing.assert_close(out, torch.stack([attnkit.attention(a, a, a, backend="math") for a in q]))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+import torch
 
+from attnkit.bench import ring
 from attnkit.bench.ring import _summarise, memory_slope_rows, memory_slopes, run_ring_suite
 
 
@@ -40,3 +43,14 @@ def test_a_tiny_ring_suite_runs_every_case_in_real_processes():
     for row in rows:
         assert len(row["compute_ms"]) == len(row["wait_ms"]) == row["P"]
         assert row["imbalance"] >= 1.0 and row["time_ms"] > 0
+
+
+def test_ring_rows_record_the_cpu_capability(tmp_path, monkeypatch, capsys):
+    """python -m attnkit.bench.ring printed and wrote neither the CPU's name nor its capability."""
+    row = dict(_row(1, 10.0), time_ms=5.0, compute_ms=[4.9], wait_ms=[0.0], imbalance=1.0)
+    monkeypatch.setattr(ring, "run_ring_suite", lambda **kwargs: [row])
+    assert ring.main(["--json", str(tmp_path / "rows.json")]) == 0
+    capability = torch.backends.cpu.get_cpu_capability()
+    (written,) = json.loads((tmp_path / "rows.json").read_text())
+    assert written["cpu_capability"] == capability and written["cpu"]
+    assert f"({capability})" in capsys.readouterr().out

@@ -36,8 +36,9 @@ def test_estimates_follow_the_mode_that_materialises():
 
 
 def test_plot_styles_tell_every_contender_apart():
-    styles = [report._style(name) for name in cases.EVERY_LAYER]
-    assert len({(s["color"], s["marker"]) for s in styles}) == len(cases.EVERY_LAYER)
+    drawn = cases.EVERY_LAYER + cases.DECODERS  # the decode panel sits beside the layer panels
+    styles = [report._style(name) for name in drawn]
+    assert len({(s["color"], s["marker"]) for s in styles}) == len(drawn)
     assert len({s["color"] for s in styles}) == len(cases.EVERY_LAYER)
 
 
@@ -95,6 +96,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path, capsys):
     assert len(samples) == 2 and round(doc["matmul_gflops"]) == max(samples)
     assert "| contender |" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "time.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "memory.png").exists() and "no memory.png" in out  # --no-memory: nothing to draw
 
 
 def test_suite_selection():
@@ -186,18 +188,24 @@ def test_python_dash_m_attnkit_bench_does_not_import_the_cli():
     assert "attnkit.bench.command" in imported and "attnkit.cli" not in imported
 
 
-def test_a_series_of_one_length_is_drawn_not_skipped(tmp_path, monkeypatch):
-    """`bench --quick` wrote time.png and memory.png with empty axes: one-point series were skipped."""
+@pytest.fixture
+def figures(monkeypatch):
+    """Every figure report.plot makes, kept for the test to look at."""
     from attnkit.inspect import plot as plot_module
 
-    figures = []
+    made = []
     make = plot_module.new_figure
 
     def keep(*args, **kwargs):
-        figures.append(make(*args, **kwargs))
-        return figures[-1]
+        made.append(make(*args, **kwargs))
+        return made[-1]
 
     monkeypatch.setattr(plot_module, "new_figure", keep)
+    return made
+
+
+def test_a_series_of_one_length_is_drawn_not_skipped(tmp_path, figures):
+    """`bench --quick` wrote time.png and memory.png with empty axes: one-point series were skipped."""
     rows = [{"mode": "inference", "batch": 1, "seq_len": 512, "contender": name, "median_ms": 1.5 + i,
              "peak_mib": 3.0 + i} for i, name in enumerate(["attnkit", "raw-sdpa"])]
     written = report.plot(rows, tmp_path)
@@ -205,11 +213,30 @@ def test_a_series_of_one_length_is_drawn_not_skipped(tmp_path, monkeypatch):
     for figure in figures:
         inference, training = figure.axes
         assert len(inference.lines) == 2 and all(len(line.get_xdata()) == 1 for line in inference.lines)
+        # side by side, not stacked on T = 512 where attnkit's heavier marker hid raw-sdpa's
+        assert sorted(x for line in inference.lines for x in line.get_xdata()) == [0, 1]
+        assert [t.get_text() for t in inference.get_xticklabels()] == ["attnkit", "raw-sdpa"]
+        assert "T = 512" in inference.get_xlabel()
         assert not training.lines and "no training rows" in training.texts[0].get_text()
 
 
-def test_a_run_with_no_layer_rows_writes_no_empty_plot(tmp_path):
-    """The committed keymask run (decode rows only) had an empty time.png."""
-    rows = [{"mode": "decode", "batch": 1, "seq_len": 512, "contender": "decode-attnkit-cache", "median_ms": 0.7,
-             "kind": "decode"}]
+def test_a_run_with_no_layer_rows_writes_no_empty_plot(tmp_path, figures):
+    """The committed keymask run (decode rows only) had an empty time.png: its decode rows are now drawn."""
+    rows = [{"mode": "decode", "batch": 1, "seq_len": t, "contender": name, "median_ms": 0.5 + i + t / 1e4,
+             "peak_mib": None, "kind": "decode"}
+            for i, name in enumerate(["decode-attnkit-cache", "decode-attnkit-cache-keymask"]) for t in (512, 4096)]
+    written = report.plot(rows, tmp_path)
+    assert [p.name for p in written] == ["time.png"]  # no memory measured: no memory.png
+    (decode,) = figures[0].axes
+    assert decode.get_title() == "decode, B=1" and "queries" not in decode.get_xlabel()
+    assert sorted(line.get_label() for line in decode.lines) == ["decode-attnkit-cache",
+                                                                 "decode-attnkit-cache-keymask"]
+    assert all(list(line.get_xdata()) == [512, 4096] for line in decode.lines)
+
+
+def test_a_run_with_nothing_to_draw_writes_no_plot(tmp_path):
+    """Kernel-alone (core) rows and B=8 rows have no panel: no empty picture is written."""
+    rows = [{"mode": "inference", "batch": 1, "seq_len": 512, "contender": "core-auto", "median_ms": 0.7,
+             "kind": "core"},
+            {"mode": "inference", "batch": 8, "seq_len": 512, "contender": "attnkit", "median_ms": 0.9}]
     assert report.plot(rows, tmp_path) == [] and not list(tmp_path.iterdir())

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit.backends import chunked
-from attnkit.distributed import ContextParallel, ring, ring_attention, shard, unshard
+from attnkit.distributed import ContextParallel, ring, ring_attention, ring_timing, shard, unshard
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 LAYOUTS = ("contiguous", "zigzag")
@@ -32,16 +32,17 @@ LAYER_CASES = [(layout, causal, dtype) for layout in LAYOUTS for causal in (Fals
                for dtype in ("float32", "float64")]
 ERROR_CASES = ["heads", "dtype", "layout", "causal", "length", "bad-key-mask", "odd-zigzag", "shard-length",
                "grads-on-one-rank", "unshard-lengths", "layer-dropout-on-one-rank", "layer-odd-shard-on-one-rank",
-               "layer-kv-cache", "shard-dim", "not-a-strategy"]
+               "layer-kv-cache", "shard-dim", "not-a-strategy", "scale", "bad-scale", "layer-positions-on-one-rank"]
+OTHER_CASES = ["exact-scale", "ring-timing"]
 
 
 def _other_error(kind: str, rank: int) -> tuple[Callable[[], object], str] | None:
     """(call, message) of the error cases beyond ring_attention's arguments; rank 1 is the odd one."""
     odd = rank == 1
     torch.manual_seed(0)
-    layer = attnkit.MultiHeadAttention(16, 16, 4, rope=True, causal=True, dropout=0.1)
-    layer.train(odd)  # dropout in training on rank 1 only
     parallel = ContextParallel()
+    layer = attnkit.MultiHeadAttention(16, 16, 4, rope=True, causal=True, dropout=0.1, backend=parallel)
+    layer.train(odd)  # dropout in training on rank 1 only
     x = torch.randn(1, 3 if odd and kind == "layer-odd-shard-on-one-rank" else 4, 16)
     if kind == "grads-on-one-rank":
         q = torch.randn(1, 2, 4, 8, requires_grad=odd)
@@ -51,23 +52,30 @@ def _other_error(kind: str, rank: int) -> tuple[Callable[[], object], str] | Non
         part = torch.zeros(2, 6 if odd else 4)
         return lambda: unshard(part, 1), r"unshard: ranks disagree on shape: rank 0 has \(2, 4\), rank 1 has \(2, 6\)"
     if kind == "layer-dropout-on-one-rank":
-        return (lambda: layer(x, parallel=parallel),
+        return (lambda: layer(x),
                 r"context-parallel attention: invalid arguments on rank 1: .*no dropout; got dropout=0.1 in training")
     if kind == "layer-odd-shard-on-one-rank":
         layer.eval()
-        return (lambda: layer(x, parallel=parallel),
+        return (lambda: layer(x),
                 r"invalid arguments on rank 1: a 'zigzag' shard holds 2 equal chunks, so its length n=3 must be even")
     if kind == "shard-dim":
         return (lambda: shard(torch.zeros(2, 4), 7),
                 r"shard: dim must be an int in \[-2, 2\) for a 2-d tensor, got dim=7")
     if kind == "not-a-strategy":
-        with pytest.raises(TypeError, match=r"parallel must be a context-parallel strategy .* got str"):
-            layer(x, parallel="zigzag")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"a kernel component with methods prepare and attention .* object lacks "
+                                            r"prepare, attention"):
+            attnkit.MultiHeadAttention(16, 16, 4, backend=object())  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"forward\(parallel=\.\.\.\) was removed: .*backend=ContextParallel"):
+            layer(x, parallel=parallel)
         return lambda: shard([1, 2], 0), r"shard takes a torch.Tensor, got list"
     if kind == "layer-kv-cache":
         layer.eval()
-        return (lambda: layer(x, parallel=parallel, kv_cache=attnkit.KVCache() if odd else None),
-                r"invalid arguments on rank 1: a context-parallel call takes no kv_cache.*; got kv_cache")
+        return (lambda: layer(x, kv_cache=attnkit.KVCache() if odd else None),
+                r"invalid arguments on rank 1: a context-parallel call takes no positions, kv_cache.*; got kv_cache")
+    if kind == "layer-positions-on-one-rank":
+        layer.eval()
+        return (lambda: layer(x, positions=torch.arange(4).expand(1, 4) if odd else None),
+                r"invalid arguments on rank 1: a context-parallel call takes no positions.*; got positions")
     return None
 
 
@@ -92,7 +100,8 @@ def _positions_of(rank: int, world: int, layout: str, t: int) -> list[int]:
     return [p for r in chunk_positions(rank, world, layout, t) for p in r]
 
 
-def exact_case(layout: str, causal: bool, dtype_name: str, heads: tuple[int, int], masks: str) -> None:
+def exact_case(layout: str, causal: bool, dtype_name: str, heads: tuple[int, int], masks: str,
+               scale: float | None = None) -> None:
     """ring_attention's output and q, k, v gradients equal single-process attention on whole tensors."""
     world, dtype = dist.get_world_size(), getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(zlib.crc32(repr((layout, causal, dtype_name, heads, masks)).encode()))
@@ -101,14 +110,14 @@ def exact_case(layout: str, causal: bool, dtype_name: str, heads: tuple[int, int
     w = torch.randn(b, h, t, d, generator=gen, dtype=dtype)
     key_mask = _key_mask(masks, b, t, world, layout, gen)
     full = [x.double().requires_grad_() for x in (q, k, v)]
-    expected = attnkit.attention(*full, causal=causal, key_mask=key_mask, backend="math")
+    expected = attnkit.attention(*full, causal=causal, key_mask=key_mask, scale=scale, backend="math")
     expected_grads = torch.autograd.grad((expected * w.double()).sum(), full)
     local = [shard(x, 2, layout=layout).requires_grad_() for x in (q, k, v)]
     local_mask = None if key_mask is None else shard(key_mask, 1, layout=layout)
     # tiles inside each block, and pieces of 4 positions (chunks of 6 travel as 4 + 2, of 12 as 4 + 4 + 4)
     with mock.patch.object(chunked, "_block_sizes", lambda b, h, t, s: (4, 5)), \
             mock.patch.object(ring, "_piece_rows", lambda chunk: min(chunk, 4)):
-        out = ring_attention(*local, causal=causal, key_mask=local_mask, layout=layout)
+        out = ring_attention(*local, causal=causal, key_mask=local_mask, scale=scale, layout=layout)
         grads = torch.autograd.grad((out * shard(w, 2, layout=layout)).sum(), local)
     assert out.dtype == dtype and out.shape == (b, h, t // world, d)
     torch.testing.assert_close(out.double(), shard(expected.detach(), 2, layout=layout), **TOL[dtype])
@@ -119,25 +128,44 @@ def exact_case(layout: str, causal: bool, dtype_name: str, heads: tuple[int, int
 
 
 def layer_case(layout: str, causal: bool, dtype_name: str) -> None:
-    """A stand-in of MultiHeadAttention(x_local, parallel=ContextParallel(...)) equals the real layer."""
+    """MultiHeadAttention(..., backend=ContextParallel(...)) on shards equals the single-process layer."""
     world, dtype = dist.get_world_size(), getattr(torch, dtype_name)
     torch.manual_seed(7)
     layer = attnkit.MultiHeadAttention(16, 16, 4, num_kv_heads=2, rope=True, causal=causal).to(dtype)
+    single = attnkit.MultiHeadAttention(16, 16, 4, num_kv_heads=2, rope=True, causal=causal).to(dtype)
     gen = torch.Generator().manual_seed(3)
     b, t = 2, 4 * world
     x = torch.randn(b, t, 16, generator=gen, dtype=dtype)
     key_mask = torch.rand(b, t, generator=gen) > 0.25
     key_mask[:, 0] = True
     w = torch.randn(b, t, 16, generator=gen, dtype=dtype)
-    expected = layer(x, key_mask=key_mask)
-    expected_grads = torch.autograd.grad((expected * w).sum(), list(layer.parameters()))
+    single.load_state_dict(layer.state_dict())
+    expected = single(x, key_mask=key_mask)
+    expected_grads = torch.autograd.grad((expected * w).sum(), list(single.parameters()))
     parallel = ContextParallel(layout=layout)
-    out = layer(parallel.shard(x), key_mask=parallel.shard(key_mask), parallel=parallel)
+    layer.backend = parallel  # the same layer, its attention now a ring
+    out = layer(parallel.shard(x), key_mask=parallel.shard(key_mask))
     grads = torch.autograd.grad((out * parallel.shard(w)).sum(), list(layer.parameters()))
     torch.testing.assert_close(out, parallel.shard(expected.detach()), **TOL[dtype])
     for grad, exp in zip(grads, expected_grads, strict=True):
         dist.all_reduce(grad)  # parameters are replicated: their gradients sum over ranks
         torch.testing.assert_close(grad, exp, **TOL[dtype])
+
+
+def timing_case() -> None:
+    """ring_timing sums the ring's profiler ranges (computing on every rank, waiting where there are peers) within
+    the block's wall time, and any profiler sees the same ranges."""
+    world = dist.get_world_size()
+    q = torch.randn(1, 2, 8 * world, 8, requires_grad=True)
+    start = time.perf_counter()
+    with ring_timing() as spent:
+        ring_attention(q, q, q, causal=True).sum().backward()
+    elapsed = time.perf_counter() - start
+    assert spent.compute_s > 0 and (spent.wait_s > 0 or world == 1), spent
+    assert spent.compute_s + spent.wait_s <= elapsed, (spent, elapsed)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ring_attention(q, q, q, causal=True).sum().backward()
+    assert {ring.COMPUTE_EVENT, ring.WAIT_EVENT} <= {event.name for event in prof.events()}
 
 
 def _error_args(kind: str, rank: int) -> tuple[dict, str]:
@@ -159,6 +187,10 @@ def _error_args(kind: str, rank: int) -> tuple[dict, str]:
         args.update(key_mask=torch.ones(1, 5, dtype=torch.bool))
     elif kind == "odd-zigzag":
         args.update(q=q[:, :, :3], k=k[:, :, :3], v=v[:, :, :3])
+    elif kind == "scale" and odd:
+        args.update(scale=0.5)
+    elif kind == "bad-scale" and odd:
+        args.update(scale=-1.0)
     expected = {
         "heads": r"ranks disagree on query heads H: rank 0 has 4, rank 1 has 2",
         "dtype": r"ranks disagree on dtype: rank 0 has 'torch.float32', rank 1 has 'torch.float64'",
@@ -167,6 +199,8 @@ def _error_args(kind: str, rank: int) -> tuple[dict, str]:
         "length": r"ranks disagree on shard length n: rank 0 has 4, rank 1 has 6",
         "bad-key-mask": r"invalid arguments on rank 1: key_mask must be a bool \(B, n\) = \(1, 4\)",
         "odd-zigzag": r"rank 0: a 'zigzag' shard holds 2 equal chunks, so its length n=3 must be even",
+        "scale": r"ranks disagree on scale: rank 0 has None, rank 1 has 0.5",
+        "bad-scale": r"invalid arguments on rank 1: scale must be a positive finite number or None, got scale=-1.0",
     }[kind]
     return args, expected
 
@@ -199,6 +233,8 @@ def run_cases(rank: int, world: int) -> dict[str, str]:
         cases[case_name("exact", *c[:3], f"H{c[3][0]}G{c[3][1]}", c[4])] = lambda c=c: exact_case(*c)
     for c in LAYER_CASES:
         cases[case_name("layer", *c)] = lambda c=c: layer_case(*c)
+    cases["exact-scale"] = lambda: exact_case("zigzag", True, "float64", (4, 2), "rank-padding", scale=0.3)
+    cases["ring-timing"] = timing_case
     for kind in ERROR_CASES if world > 1 else ():  # one rank has no peer to disagree with
         cases[case_name("error", kind)] = lambda kind=kind: error_case(kind)
     results = {}

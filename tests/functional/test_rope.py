@@ -134,3 +134,17 @@ def test_bad_scaling_is_named(scaling):
 def test_repr_shows_scaling_only_when_used():
     assert repr(RotaryEmbedding(8)) == "RotaryEmbedding(head_dim=8, base=10000)"
     assert repr(RotaryEmbedding(8, scaling=4)) == "RotaryEmbedding(head_dim=8, base=10000, scaling=4)"
+
+
+def test_rope_base_of_the_wrong_type_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"RotaryEmbedding base must be > 1, got base='10'"):
+        RotaryEmbedding(4, base="10")  # type: ignore[arg-type]
+
+
+def test_changing_rope_base_changes_the_angles():
+    """Review finding: the remembered angles ignored base, so a changed base kept the old rotation."""
+    rope = RotaryEmbedding(8)
+    q = torch.randn(1, 1, 3, 8)
+    rope(q, q)
+    rope.base = 500.0
+    torch.testing.assert_close(rope(q, q)[0], RotaryEmbedding(8, base=500.0)(q, q)[0])

@@ -194,3 +194,20 @@ def test_user_4d_masks_on_a_model_equal_sdpa() -> None:
             with torch.no_grad():
                 out[impl] = model(ids, attention_mask=mask).logits
         torch.testing.assert_close(out["attnkit"], out["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+def test_read_mask_runs_attnkits_own_mask_checks_and_names_what_it_cannot_read():
+    """Mask reading exists once (attnkit.backends.check_mask): a float mask comes back in the query's dtype, an
+    integer or non-broadcasting one is refused with its shape, dtype and the reason."""
+    q, k, _ = _qkv()
+    additive = torch.zeros(1, 1, q.shape[2], k.shape[2], dtype=torch.float64)
+    assert hf.read_mask(additive, q, k).dtype == q.dtype
+    allowed = torch.ones(1, 1, q.shape[2], k.shape[2], dtype=torch.bool)
+    assert torch.equal(hf.read_mask(allowed, q, k), allowed)
+    with pytest.raises(ValueError, match=r"cannot read an attention mask of shape \(1, 1, \d+, \d+\) and dtype "
+                                         r"torch.int64: .*\(attention_mask must be bool"):
+        hf.read_mask(allowed.long(), q, k)
+    with pytest.raises(ValueError, match=r"shape \(\d+, \d+\) and dtype torch.bool: .*\(it is not a 4-d tensor\)"):
+        hf.read_mask(allowed[0, 0], q, k)
+    with pytest.raises(ValueError, match=r"\(attention_mask of shape \(1, 1, \d+, 1000\) does not broadcast"):
+        hf.read_mask(torch.ones(1, 1, q.shape[2], 1000, dtype=torch.bool), q, k)

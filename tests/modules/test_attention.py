@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -133,37 +134,6 @@ def test_dropout_only_in_training_mode():
     torch.testing.assert_close(layer.eval()(x), plain(x))  # chunked is fine once dropout is off
 
 
-def test_cross_attention_layer():
-    torch.manual_seed(0)
-    layer = attnkit.CrossAttention(6, 8, 4, num_kv_heads=2, d_context=10).double()
-    assert not hasattr(layer, "qkv_proj") and layer.kv_proj.weight.shape == (2 * 2 * 2, 10)
-    x, context = torch.randn(2, 3, 6, dtype=torch.float64), torch.randn(2, 7, 10, dtype=torch.float64)
-    key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
-    q = (layer.q_proj(x)).view(2, 3, 4, 2).transpose(1, 2)
-    k, v = layer.kv_proj(context).view(2, 7, 2, 2, 2).permute(2, 0, 3, 1, 4)  # (2, B, G, S, D)
-    out, _ = reference_attention(q, k, v, mask=key_mask[:, None, None, :])
-    expected = layer.out_proj(out.transpose(1, 2).reshape(2, 3, 8))
-    for backend in BACKENDS:
-        layer.backend = backend
-        torch.testing.assert_close(layer(x, context, key_mask=key_mask), expected)
-
-
-def test_self_attention_weights_in_a_cross_attention_layer_attend_to_a_context():
-    """A self-attention layer's fused weight, split into CrossAttention's q_proj and kv_proj."""
-    torch.manual_seed(0)
-    layer = MultiHeadAttention(8, 8, 2, causal=False).double()
-    cross = attnkit.CrossAttention(8, 8, 2, d_context=8).double()
-    with torch.no_grad():
-        cross.q_proj.weight.copy_(layer.qkv_proj.weight[:8])
-        cross.kv_proj.weight.copy_(layer.qkv_proj.weight[8:])
-        cross.out_proj.load_state_dict(layer.out_proj.state_dict())
-    x, context = torch.randn(1, 3, 8, dtype=torch.float64), torch.randn(1, 5, 8, dtype=torch.float64)
-    both = torch.cat([x, context], dim=1)
-    mask = torch.zeros(8, 8, dtype=torch.bool)
-    mask[:, 3:] = True  # every query sees only the context part
-    torch.testing.assert_close(cross(x, context), layer(both, attn_mask=mask)[:, :3])
-
-
 def test_attn_mask_and_key_mask_together():
     torch.manual_seed(0)
     layer = MultiHeadAttention(6, 6, 3, causal=False).double()
@@ -189,3 +159,104 @@ def test_grouped_and_multi_query_projection_sizes():
         full.out_proj.load_state_dict(mqa.out_proj.state_dict())
     x = torch.randn(2, 5, 16, dtype=torch.float64)
     torch.testing.assert_close(mqa(x), full(x), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(backend="chunked", dropout=0.1), r"backend 'chunked' cannot serve this layer: it has no dropout"),
+    (dict(rope=True, causal=False, window=None, num_heads=0), r"num_heads must be a positive int"),
+])
+def test_configurations_that_fail_on_every_call_fail_at_construction(kwargs, message):
+    args = dict(d_in=8, d_out=8, num_heads=2) | kwargs
+    with pytest.raises(ValueError, match=message):
+        MultiHeadAttention(**args)
+
+
+def test_a_bad_attn_mask_is_reported_as_attn_mask():
+    layer = MultiHeadAttention(8, 8, 2)
+    with pytest.raises(ValueError, match=r"^attn_mask of shape \(5, 6\) does not broadcast"):
+        layer(torch.randn(1, 5, 8), attn_mask=torch.ones(5, 6, dtype=torch.bool))
+
+
+def test_numpy_dropout_is_accepted():
+    layer = MultiHeadAttention(8, 8, 2, dropout=np.float32(0.25))
+    assert layer.dropout == pytest.approx(0.25)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torchscript_fails_at_once_naming_torch_compile():
+    with pytest.raises(TypeError, match=r"does not support TorchScript .* use torch.compile"):
+        torch.jit.script(MultiHeadAttention(8, 8, 2))
+
+
+def test_integer_input_is_named_as_such():
+    with pytest.raises(TypeError, match=r"x must be floating point, got dtype torch.int64"):
+        MultiHeadAttention(8, 8, 2)(torch.ones(1, 3, 8, dtype=torch.long))
+
+
+class _PlacingKernel:
+    """A kernel component that places the tokens at ``start``, ``start + 2``, ``start + 4``, ... (as a shard's
+    tokens sit apart) and attends with the math backend; it records what the layer asked of it."""
+
+    def __init__(self, start: int | None) -> None:
+        self.start, self.requests, self.calls = start, [], 0
+
+    def prepare(self, request):
+        self.requests.append(request)
+        if self.start is None:
+            return None
+        return (self.start + 2 * torch.arange(request.length, device=request.device)).expand(request.batch, -1)
+
+    def attention(self, q, k, v, *, causal, key_mask, scale):
+        self.calls += 1
+        return attnkit.attention(q, k, v, causal=causal, key_mask=key_mask, scale=scale, backend="math")
+
+
+def test_a_kernel_component_runs_the_same_projection_rope_and_head_merge():
+    """The ring's old second code path redid projection, RoPE and head merging: a kernel component now gets q, k, v
+    rotated at the positions its prepare() gave, and its output is merged by the layer's one path."""
+    torch.manual_seed(0)
+    plain = MultiHeadAttention(8, 8, 2, num_kv_heads=1, rope=True).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    key_mask = torch.tensor([[True] * 5, [False] + [True] * 4])
+    placed = (3 + 2 * torch.arange(5)).expand(2, 5)
+    for start, expected in ((3, plain(x, key_mask=key_mask, positions=placed)), (None, plain(x, key_mask=key_mask))):
+        kernel = _PlacingKernel(start)
+        plain.backend = kernel
+        torch.testing.assert_close(plain(x, key_mask=key_mask), expected, atol=1e-12, rtol=1e-12)
+        plain.backend = "auto"
+        assert kernel.calls == 1
+        assert kernel.requests == [attnkit.backends.KernelRequest(
+            batch=2, length=5, device=x.device, causal=True, window=None, dropout_p=0.0, given=())]
+    assert not torch.allclose(plain(x, positions=placed), plain(x))  # the placed positions did change RoPE
+
+
+def test_a_kernel_component_is_told_every_option_it_would_not_see():
+    """A kernel that cannot honour an attention mask, a cache, weights, positions, a window or dropout must hear
+    of them in prepare() (the ring refuses them there, on every rank)."""
+    layer = MultiHeadAttention(8, 8, 2, window=3, dropout=0.25, backend=_PlacingKernel(None)).train()
+    kernel = layer.backend
+    x = torch.randn(1, 4, 8)
+    layer(x, positions=torch.arange(4).expand(1, 4), attn_mask=torch.ones(4, 4, dtype=torch.bool),
+          kv_cache=attnkit.KVCache())
+    request = kernel.requests[-1]
+    assert request.given == ("positions", "kv_cache", "attn_mask")
+    assert (request.window, request.dropout_p) == (3, 0.25)
+    layer.eval()
+    layer(x, need_weights=True)
+    assert kernel.requests[-1].given == ("need_weights",) and kernel.requests[-1].dropout_p == 0.0
+
+
+def test_a_backend_that_is_neither_a_name_nor_a_kernel_is_refused_naming_what_it_lacks():
+    class HalfKernel:
+        def prepare(self, request):
+            return None
+
+    with pytest.raises(TypeError, match=r"a kernel component with methods prepare and attention .*; HalfKernel "
+                                        r"lacks attention"):
+        MultiHeadAttention(8, 8, 2, backend=HalfKernel())  # type: ignore[arg-type]
+    layer = MultiHeadAttention(8, 8, 2)
+    layer.backend = HalfKernel()  # set after construction: refused at the call, before anything is computed
+    with pytest.raises(TypeError, match=r"HalfKernel lacks attention"):
+        layer(torch.randn(1, 2, 8))
+    with pytest.raises(TypeError, match=r"forward\(parallel=\.\.\.\) was removed: .*backend=ContextParallel"):
+        MultiHeadAttention(8, 8, 2)(torch.randn(1, 2, 8), parallel=_PlacingKernel(None))

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import attnkit
-from attnkit import MultiHeadAttention
+from attnkit import CrossAttention, MultiHeadAttention
 
 
 def torch_call(m, x, context=None, **kw):
@@ -84,3 +84,26 @@ def test_converter_errors():
         MultiHeadAttention(6, 8, 2).to_torch()
     with pytest.raises(TypeError, match=r"from_textbook expects .* got Linear"):
         attnkit.from_textbook(nn.Linear(2, 2))
+
+
+def test_to_torch_on_cross_attention_with_d_context_equal_to_d_out():
+    torch.manual_seed(0)
+    layer = CrossAttention(8, 8, 2, d_context=8, qkv_bias=True).eval()  # torch fuses in_proj_weight here
+    m = layer.to_torch()  # before: AttributeError: 'NoneType' object has no attribute 'copy_'
+    x, context = torch.randn(2, 3, 8), torch.randn(2, 5, 8)
+    torch.testing.assert_close(m(x, context, context, need_weights=False)[0], layer(x, context))
+
+
+def test_to_torch_batch_first_false_round_trips():
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(8, 2, batch_first=False).eval()
+    back = attnkit.from_torch(m).to_torch(batch_first=False)
+    assert back.batch_first is False
+    x = torch.randn(5, 2, 8)  # (T, B, E)
+    torch.testing.assert_close(back(x, x, x)[0], m(x, x, x)[0])
+
+
+def test_to_torch_batch_first_must_be_a_bool():
+    """None would silently have meant sequence-first."""
+    with pytest.raises(TypeError, match="batch_first must be a bool, got None"):
+        MultiHeadAttention(8, 8, 2).to_torch(batch_first=None)  # type: ignore[arg-type]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -277,3 +279,88 @@ def test_cached_keys_is_what_update_returns():
     assert isinstance(keys, CachedKeys) and keys.positions is None and keys.k.shape == (1, 2, 3, 4)
     keys = cache.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[7]]))
     assert keys.positions.tolist() == [[0, 1, 2, 7]]
+
+
+def _decoder_layer(**kw) -> MultiHeadAttention:
+    torch.manual_seed(0)
+    return MultiHeadAttention(8, 8, 2, num_kv_heads=1, rope=True, **kw).double()
+
+
+@pytest.mark.parametrize(("backend", "training", "second_call"), [
+    ("sdpa", False, dict(need_weights=True)),  # sdpa cannot return weights: raises after the append
+    ("chunked", True, dict()),  # chunked has no dropout: raises after the append (layer built without dropout)
+    ("auto", False, dict(key_mask=torch.ones(1, 3, dtype=torch.bool))),  # wrong key mask shape
+])
+def test_a_call_that_raises_leaves_the_kv_cache_as_it_was(backend, training, second_call):
+    layer = _decoder_layer(backend=backend)
+    x = torch.randn(1, 6, 8, dtype=torch.float64)
+    full = layer.eval()(x)
+    cache = KVCache()
+    layer(x[:, :5], kv_cache=cache)
+    if training:  # dropout is set after construction, as a user might, so the call itself must fail
+        layer.train()
+        layer.dropout = 0.5
+    with pytest.raises(ValueError):
+        layer(x[:, 5:], kv_cache=cache, **second_call)
+    assert len(cache) == 5
+    layer.eval()
+    layer.dropout = 0.0
+    retried = layer(x[:, 5:], kv_cache=cache)
+    torch.testing.assert_close(retried, full[:, 5:])  # before the fix: off by 0.069
+
+
+def test_a_failed_first_call_leaves_an_empty_cache_usable_for_another_batch_size():
+    layer = _decoder_layer(backend="sdpa")
+    cache = KVCache()
+    with pytest.raises(ValueError, match="cannot return attention weights"):
+        layer(torch.randn(3, 2, 8, dtype=torch.float64), kv_cache=cache, need_weights=True)
+    assert len(cache) == 0 and cache.keys is None
+    layer(torch.randn(2, 2, 8, dtype=torch.float64), kv_cache=cache)  # another batch size is fine
+    assert len(cache) == 2
+
+
+def test_one_kv_cache_passed_to_two_layers_is_refused():
+    first, second = _decoder_layer(), _decoder_layer()
+    cache = KVCache()
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    first(x, kv_cache=cache)
+    with pytest.raises(ValueError, match=r"already holds the keys of another layer; .* one KVCache per layer"):
+        second(x, kv_cache=cache)
+    assert len(cache) == 4  # before the fix: 8, and the second layer attended to the first's keys
+    first(x[:, :1], kv_cache=cache)  # its own layer may go on
+    cache.reset()
+    second(x, kv_cache=cache)  # after reset() the cache is free for another layer
+    assert len(cache) == 4
+
+
+def test_a_cache_filled_under_inference_mode_works_outside_it():
+    layer = _decoder_layer().eval()
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    cache = KVCache()
+    with torch.inference_mode():
+        layer(x[:, :4], kv_cache=cache)
+    out = layer(x[:, 4:], kv_cache=cache)  # before: "Inplace update to inference tensor outside InferenceMode"
+    torch.testing.assert_close(out, layer(x)[:, 4:])
+
+
+def test_deepcopy_of_a_layer_with_its_cache_is_independent():
+    layer = _decoder_layer().eval()
+    cache = KVCache()
+    x = torch.randn(1, 3, 8, dtype=torch.float64)
+    layer(x, kv_cache=cache)
+    twin, twin_cache = copy.deepcopy((layer, cache))
+    twin(x[:, :1], kv_cache=twin_cache)
+    assert len(twin_cache) == 4 and len(cache) == 3
+
+
+def test_a_shallow_copy_of_a_cache_does_not_share_storage():
+    """Review finding: copy.copy shared the preallocated storage, so each copy overwrote the other."""
+    layer = _decoder_layer().eval()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    full = layer(x)
+    cache = KVCache()
+    layer(x[:, :3], kv_cache=cache)
+    twin = copy.copy(cache)
+    layer(x[:, 3:4], kv_cache=cache)
+    layer(torch.randn(2, 1, 8, dtype=torch.float64), kv_cache=twin)
+    torch.testing.assert_close(layer(x[:, 4:5], kv_cache=cache), full[:, 4:5])

@@ -13,6 +13,9 @@ to a backend (:func:`run`):
   :data:`DENSE_BAND_LIMIT` (query, key) pairs; otherwise the first of
   :data:`AUTO_ORDER` that can serve the call (SDPA).
 
+A layer's ``backend`` may also be a kernel component (:mod:`.kernel`), such
+as the ring of :class:`attnkit.distributed.ContextParallel`, in place of a name.
+
 While an observer is active (:func:`observe`, used by :func:`attnkit.trace`),
 every call runs the math backend and the observer receives its intermediates:
 whoever calls :func:`attention` (an attnkit layer, a decoder, a Hugging Face
@@ -31,6 +34,7 @@ from torch import Tensor
 
 from . import chunked, math, sdpa  # noqa: F401  (each registers itself)
 from .call import AttentionCall, check_mask, check_options, make_call
+from .kernel import Kernel, KernelRequest, check_kernel
 from .math import Intermediates, math_intermediates
 from .registry import AUTO_ORDER, BACKENDS, DENSE_BAND_LIMIT, Backend, check_backend, choose, register
 
@@ -132,7 +136,7 @@ def attention(
 
 
 __all__ = [
-    "AUTO_ORDER", "BACKENDS", "DENSE_BAND_LIMIT", "AttentionCall", "Backend", "Intermediates", "Observer",
-    "attention", "check_backend", "check_mask", "check_options", "choose", "make_call", "math_intermediates",
-    "observe", "register", "run",
+    "AUTO_ORDER", "BACKENDS", "DENSE_BAND_LIMIT", "AttentionCall", "Backend", "Intermediates", "Kernel",
+    "KernelRequest", "Observer", "attention", "check_backend", "check_kernel", "check_mask", "check_options",
+    "choose", "make_call", "math_intermediates", "observe", "register", "run",
 ]

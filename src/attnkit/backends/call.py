@@ -76,6 +76,14 @@ class AttentionCall:
         return self.mask is not None or (self.causal and self.num_queries > self.num_keys)
 
 
+_UPCAST = (torch.float16, torch.bfloat16)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attnkit's own kernels compute in: float32 for half-precision inputs, else the input's."""
+    return torch.float32 if dtype in _UPCAST else dtype
+
+
 def _check_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -87,12 +95,14 @@ def _check_tensor(name: str, t: object) -> Tensor:
     return t
 
 
-def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
+def check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
+    """q (B, H, T, D), k (B, G, S, D), v (B, G, S, Dv): floating point, one dtype and device, shapes that fit."""
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    _check_shapes(q, k, v)
     return q, k, v
 
 
@@ -139,15 +149,23 @@ def check_mask(mask: object, q: Tensor, num_keys: int, *, name: str = "mask") ->
     return mask if mask.dtype == torch.bool else mask.to(q.dtype)
 
 
-def check_key_mask(key_mask: object, q: Tensor, num_keys: int, *, name: str = "key_mask") -> Tensor | None:
-    """A (B, S) bool key mask (True = real token) as a mask (B, 1, 1, S); else raise."""
+_CACHED_NOTE = " (S counts cached positions too, where a KV cache holds some)"
+
+
+def check_key_mask(key_mask: object, q: Tensor, num_keys: int, *, name: str = "key_mask", keys: str = "S",
+                   note: str = _CACHED_NOTE) -> Tensor | None:
+    """A (B, S) bool key mask (True = real token) as a mask (B, 1, 1, S); else raise.
+
+    ``keys`` is how the caller names the key axis (the ring's shard length
+    is n) and ``note`` what the error adds about it.
+    """
     if key_mask is None:
         return None
     b = q.shape[0]
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or key_mask.shape != (b, num_keys):
         got = f"{key_mask.dtype} {tuple(key_mask.shape)}" if isinstance(key_mask, Tensor) else repr(key_mask)
-        raise ValueError(f"{name} must be a bool (B, S) = ({b}, {num_keys}) tensor, True = real token "
-                         f"(S counts cached positions too, where a KV cache holds some); got {got}")
+        raise ValueError(f"{name} must be a bool (B, {keys}) = ({b}, {num_keys}) tensor, True = real token{note}; "
+                         f"got {got}")
     if key_mask.device != q.device:
         raise ValueError(f"{name} is on {key_mask.device} but q is on {q.device}")
     return key_padding_to_mask(key_mask)  # (B, S) -> (B, 1, 1, S)
@@ -173,7 +191,8 @@ def check_options(*, causal: object, window: object, dropout_p: object, dropout_
         raise ValueError(f"{dropout_name}={dropout_p!r} is outside [0, 1)")
 
 
-def _check_scale(scale: object) -> None:
+def check_scale(scale: object) -> None:
+    """None (1 / sqrt(D)) or a positive finite number that needs no gradient; else raise."""
     if scale is None:
         return
     if isinstance(scale, Tensor) and scale.requires_grad:
@@ -191,10 +210,9 @@ def make_call(q: object, k: object, v: object, *, mask: object = None, key_mask:
     ``key_mask`` (B, S) and ``mask`` become one 4-d mask, checked here once.
     ``mask_name`` is how the caller calls ``mask`` (a layer's ``attn_mask``).
     """
-    q, k, v = _check_qkv(q, k, v)
-    _check_shapes(q, k, v)
+    q, k, v = check_qkv(q, k, v)
     check_options(causal=causal, window=window, dropout_p=dropout_p)
-    _check_scale(scale)
+    check_scale(scale)
     num_keys = k.shape[2]
     checked = combine_masks(check_mask(mask, q, num_keys, name=mask_name), check_key_mask(key_mask, q, num_keys))
     return AttentionCall(

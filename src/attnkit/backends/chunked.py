@@ -21,7 +21,8 @@ of :mod:`attnkit.distributed` (one copy of the math):
 The backward pass of the backend (a custom autograd Function) saves only q,
 k, v, the output and one log-sum-exp per query, and recomputes each block's
 probabilities. Double backward (``create_graph=True``, ``torch.func.grad``)
-recomputes a dense differentiable forward: exact, but O(T * S) memory.
+recomputes the math backend's dense differentiable forward (the one dense
+reference): exact, but O(T * S) memory.
 
 Grouped-query heads are handled without copying keys or values: the R = H // G
 query heads that share a key/value head are stacked along the query axis.
@@ -42,12 +43,11 @@ from attnkit.functional import (
     Visibility,
     block_has_empty_rows,
     block_visibility,
-    combine_masks,
-    expand_kv,
     visible_band,
 )
 
-from .call import AttentionCall
+from .call import AttentionCall, compute_dtype
+from .math import math_intermediates
 from .registry import Backend, register
 
 _SCORE_BUDGET = 1 << 20  # elements of one block of scores (4 MiB in float32)
@@ -93,8 +93,7 @@ def block_plan(q: Tensor, num_keys: int, *, causal: bool, scale: float, offset: 
     """The plan for queries q (B, H, T, D) against ``num_keys`` keys."""
     b, h, t, _ = q.shape
     block_q, block_k = _block_sizes(b, h, t, num_keys)
-    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    return BlockPlan(causal, window, scale, offset, block_q, block_k, compute)
+    return BlockPlan(causal, window, scale, offset, block_q, block_k, compute_dtype(q.dtype))
 
 
 def _mask5(mask: Tensor | None, g: int) -> Tensor | None:
@@ -293,24 +292,6 @@ def block_backward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tenso
     return _cat(dqs, 2), dk, dv
 
 
-def _dense_forward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """The same attention as :func:`block_forward`, differentiable and dense: (B, H, T, Dv) in q's dtype.
-
-    Only for double backward, where the gradient itself must carry a graph.
-    """
-    h, t, s = q.shape[1], q.shape[2], k.shape[2]
-    kx, vx = expand_kv(k, h).to(plan.compute), expand_kv(v, h).to(plan.compute)  # (B, G, S, D) -> (B, H, S, D)
-    scores = (q.to(plan.compute) @ kx.transpose(-2, -1)) * plan.scale  # (B, H, T, S)
-    band = visible_band(range(t), range(s), offset=plan.offset, causal=plan.causal, window=plan.window,
-                        device=q.device)
-    full = combine_masks(mask, band)
-    if full is not None:
-        scores = scores.masked_fill(~full, -torch.inf) if full.dtype == torch.bool else scores + full
-    empty = scores.amax(dim=-1, keepdim=True) == -torch.inf  # (B, H, T, 1)
-    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    return (weights @ vx).to(q.dtype)  # (B, H, T, S) @ (B, H, S, Dv) -> (B, H, T, Dv)
-
-
 class _ChunkedFunction(torch.autograd.Function):
     """out = attention(q, k, v) by :func:`block_forward`; backward by :func:`block_backward`.
 
@@ -350,8 +331,13 @@ def _differentiable_grads(plan: BlockPlan, qkv: tuple[Tensor, Tensor, Tensor], m
                           dout: Tensor, needed: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """(dq, dk, dv) with a graph of their own, through the dense forward (None where not needed)."""
     wanted = [x for x, need in zip(qkv, needed, strict=True) if need]
+    q, k, v = qkv
+    if plan.offset != k.shape[2] - q.shape[2]:
+        raise ValueError(f"the dense path aligns queries bottom-right (offset S - T = {k.shape[2] - q.shape[2]}), "
+                         f"got a plan with offset={plan.offset}")
+    call = AttentionCall(q, k, v, mask, plan.causal, plan.window, plan.scale, 0.0)
     with torch.enable_grad():
-        out = _dense_forward(plan, *qkv, mask)
+        out = math_intermediates(call).out  # the math backend, differentiable: one dense reference
         grads = iter(torch.autograd.grad(out, wanted, dout, create_graph=True))
     return tuple(next(grads) if need else None for need in needed)
 

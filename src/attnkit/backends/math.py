@@ -16,14 +16,8 @@ from torch import Tensor
 
 from attnkit.functional import expand_kv
 
-from .call import AttentionCall
+from .call import AttentionCall, compute_dtype
 from .registry import Backend, register
-
-_UPCAST = (torch.float16, torch.bfloat16)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _UPCAST else dtype
 
 
 def masked_scores(call: AttentionCall) -> Tensor:

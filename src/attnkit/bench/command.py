@@ -275,8 +275,10 @@ def _report_cases(rows: list[Row], matmul: float, env: dict[str, Any], options: 
     try:
         plots = report.plot(rows, out)
         if not plots:
-            console.print(plain("no time.png / memory.png: they draw layer rows at B=1 against T, and this run "
-                                "has none (its rows are in summary.md)"))
+            console.print(plain("no time.png / memory.png: they draw layer and decode rows at B=1 against T, and "
+                                "this run has none (its rows are in summary.md)"))
+        elif len(plots) == 1:
+            console.print(plain("no memory.png: no row drawn in time.png has a peak memory (--no-memory?)"))
         written += plots
     except MissingDependencyError as err:
         console.print(plain(f"no plots: {err}"))

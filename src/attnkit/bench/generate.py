@@ -28,6 +28,8 @@ from torch import Tensor
 
 from attnkit._optional import require
 
+from .runner import cpu_record
+
 _TEXT = ("The Roman Empire was the post-Republican state of ancient Rome. It is generally understood to mean "
          "the period and territory ruled by the Romans following Octavian's assumption of sole rule under the "
          "Principate in 27 BC. It included territories in Europe, North Africa, and Western Asia, and was "
@@ -128,8 +130,7 @@ def run_generate_suite(*, dtype: str = "float32", prompt_lens: tuple[int, ...] =
     say = log or (lambda _: None)
     model = load_smollm2(dtype=_DTYPES[dtype])
     contenders = _contenders(model, dtype, new_tokens, include_transformers)
-    env = {"dtype": dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    env = {"dtype": dtype, "threads": torch.get_num_threads(), "torch": torch.__version__, **cpu_record()}
     rows: list[dict[str, Any]] = []
     bound = decode_bound_seconds(model)
     rows.append({"kind": "bound", **env, "seconds_per_pass": bound, "decode_tokens_per_s": 1 / bound})

@@ -16,7 +16,7 @@ from typing import Any
 
 from attnkit._optional import require
 
-from .cases import EVERY_LAYER
+from .cases import DECODERS, EVERY_LAYER
 
 Row = dict[str, Any]
 
@@ -260,48 +260,92 @@ def write_json(path: Path, rows: Sequence[Row], found: Sequence[Target], env: di
 _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
             "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#7b4173"]
 _MARKERS = "os^vDP*Xh<>pd8"
+_STYLED = EVERY_LAYER + DECODERS  # the contenders plot() draws, each styled apart
 
 
 def _style(contender: str) -> dict[str, Any]:
     """A colour and marker fixed per contender (the same in every plot); attnkit's default drawn heavier."""
-    i = EVERY_LAYER.index(contender) if contender in EVERY_LAYER else len(EVERY_LAYER)
+    i = _STYLED.index(contender) if contender in _STYLED else len(_STYLED)
     if contender == "attnkit":
         return {"color": "black", "marker": "o", "linewidth": 2.5, "markersize": 5, "zorder": 3}
-    return {"color": _PALETTE[i % len(_PALETTE)], "marker": _MARKERS[i % len(_MARKERS)], "linewidth": 1.2,
+    marker = _MARKERS[(i + i // len(_PALETTE)) % len(_MARKERS)]  # a colour's second use gets another marker
+    return {"color": _PALETTE[i % len(_PALETTE)], "marker": marker, "linewidth": 1.2,
             "markersize": 4, "zorder": 2}
 
 
-def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
-    """Time and peak memory against T (log scales), per mode, for batch 1 layer contenders.
+def _plotted(row: Row, mode: str, metric: str) -> bool:
+    """Whether a row belongs on the ``mode`` panel of the ``metric`` plot: B=1, a layer (or decode) case, measured."""
+    kind = "decode" if mode == "decode" else "layer"
+    return (row["mode"] == mode and row["batch"] == 1 and row.get("kind", "layer") == kind
+            and bool(row.get(metric)))
 
-    A contender timed at one length is drawn as a single marker; a run with no
-    such rows (decode or core cases only) gets no plot: [] is returned.
+
+def _panels(rows: Sequence[Row]) -> list[str]:
+    """The modes a plot shows: inference and training when layer rows were timed, decode when decode rows were."""
+    modes = ["inference", "training"] if any(_plotted(r, m, "median_ms") for r in rows
+                                             for m in ("inference", "training")) else []
+    return modes + (["decode"] if any(_plotted(r, "decode", "median_ms") for r in rows) else [])
+
+
+def _draw_lines(ax: Any, series: dict[str, list[tuple[int, float]]]) -> None:
+    """Each contender's values against T, on a log T axis."""
+    for contender, points in sorted(series.items()):
+        xs, ys = zip(*sorted(points), strict=True)
+        ax.plot(xs, ys, label=contender, **_style(contender))
+    ax.set_xscale("log")
+
+
+def _draw_dots(ax: Any, series: dict[str, list[tuple[int, float]]]) -> None:
+    """One length only: a dot per contender, side by side (on a T axis they would sit on one line and hide)."""
+    names = sorted(series)
+    for i, contender in enumerate(names):
+        ax.plot([i], [series[contender][0][1]], label=contender, **_style(contender))
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+    ax.set_xlim(-0.5, len(names) - 0.5)
+
+
+def _draw_panel(ax: Any, rows: Sequence[Row], mode: str, metric: str, label: str) -> None:
+    """One mode's contenders against T (or side by side at a single T); an empty panel says so."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if _plotted(r, mode, metric):
+            series.setdefault(r["contender"], []).append((r["seq_len"], r[metric]))
+    lengths = sorted({t for points in series.values() for t, _ in points})
+    xlabel = "context length T" if mode == "decode" else "sequence length T"
+    if len(lengths) == 1:
+        _draw_dots(ax, series)
+        xlabel = f"contender, at {xlabel} = {lengths[0]}"
+    else:
+        _draw_lines(ax, series)
+    ax.set(yscale="log", xlabel=xlabel, ylabel=label, title=f"{mode}, B=1")
+    ax.grid(True, which="both", alpha=0.3)
+    if series:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, f"no {mode} rows at B=1 in this run", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
+
+
+def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
+    """Time and peak memory against T (log scales), per mode, for batch 1 layer and decode contenders.
+
+    A contender timed at one length is drawn as a single marker; a panel whose
+    contenders share one length shows them side by side. A plot with
+    nothing to draw is not written: a run with no layer or decode rows at B=1
+    gets none ([] is returned), and a run that measured no memory
+    (``--no-memory``) gets no memory.png.
     """
     from attnkit.inspect.plot import new_figure
 
-    if not any(r.get("kind", "layer") == "layer" and r["batch"] == 1 and r.get("median_ms") for r in rows):
-        return []
+    modes = _panels(rows)
     written = []
     for metric, label, name in (("median_ms", "ms per call", "time.png"), ("peak_mib", "peak extra MiB", "memory.png")):
-        fig = new_figure(11, 4.2)
-        axes = fig.subplots(1, 2, squeeze=False)[0]
-        for ax, mode in zip(axes, ("inference", "training"), strict=True):
-            series: dict[str, list[tuple[int, float]]] = {}
-            for r in rows:
-                if r["mode"] == mode and r["batch"] == 1 and r.get(metric) and r.get("kind", "layer") == "layer":
-                    series.setdefault(r["contender"], []).append((r["seq_len"], r[metric]))
-            lines = 0
-            for contender, points in sorted(series.items()):  # a single length is drawn as its marker alone
-                xs, ys = zip(*sorted(points), strict=True)
-                ax.plot(xs, ys, label=contender, **_style(contender))
-                lines += 1
-            ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel=label, title=f"{mode}, B=1")
-            ax.grid(True, which="both", alpha=0.3)
-            if lines:
-                ax.legend(fontsize=7)
-            else:
-                ax.text(0.5, 0.5, f"no {mode} rows at B=1 in this run", ha="center", va="center",
-                        transform=ax.transAxes, color="gray")
+        if not any(_plotted(r, mode, metric) for r in rows for mode in modes):
+            continue
+        fig = new_figure(5.5 * len(modes), 4.2)
+        axes = fig.subplots(1, len(modes), squeeze=False)[0]
+        for ax, mode in zip(axes, modes, strict=True):
+            _draw_panel(ax, rows, mode, metric, label)
         fig.savefig(out_dir / name, dpi=110)
         written.append(out_dir / name)
     return written

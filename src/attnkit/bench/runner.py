@@ -244,10 +244,19 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_record() -> dict[str, str]:
+    """The CPU's name and the vector capability PyTorch's kernels use on it ("AVX2", "AVX512", ...).
+
+    Every benchmark records both: two machines sold under one CPU name can
+    report different capabilities, and their numbers are then not comparable.
+    """
+    return {"cpu": _cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def environment(device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
+    """What a benchmark ran on: device, dtype, threads, versions, the CPU (name and capability) and its cores."""
     env = {"device": device, "dtype": dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "python": platform.python_version(), "cpu": _cpu_name(),
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count()}
+           "python": platform.python_version(), **cpu_record(), "cpu_count": os.cpu_count()}
     if device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(device)
     try:

@@ -219,14 +219,14 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
     """Every contender at every N, interleaved by N; rows for the report, then the targets."""
     import tempfile
 
-    import torch
-
     from attnkit.models.loader import smollm2_path
     from attnkit.modules.quantize import default_form
 
+    from .runner import cpu_record
+
     work = Path(workdir or tempfile.mkdtemp(prefix="attnkit-serve-bench-"))
     weights = default_form()  # what attnkit serve runs by default: the ceiling uses the same
-    env = {"threads": threads, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    env = {"threads": threads, **cpu_record()}
     rows: list[dict[str, Any]] = []
     per_position = _kv_bytes_per_position(4)
     llama = llama_server_path()

@@ -1,4 +1,4 @@
-"""ContextParallel: the component that runs an attention layer on one shard of the sequence.
+"""ContextParallel: the kernel component that runs an attention layer on one shard of the sequence.
 
 Legend: B batch, T positions of the whole sequence, n = T / P positions per
 rank, H query heads, G key/value heads, D head dim.
@@ -10,41 +10,43 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from attnkit.backends.kernel import KernelRequest
+
 from .checks import check_agreement
 from .layout import check_layout, num_chunks, rank_and_world, shard, shard_positions, unshard
 from .ring import ring_attention
 
 
 class ContextParallel:
-    """Context parallelism for :class:`attnkit.MultiHeadAttention`, passed in at call time.
+    """Context parallelism for :class:`attnkit.MultiHeadAttention`: a kernel component, passed as ``backend``.
 
-    A layer keeps its constructor and its parameters (replicated on every
-    rank); each rank calls it on its shard of the sequence with this
-    component::
+    A layer keeps its parameters (replicated on every rank) and its one code
+    path (projection, rotary embedding, head merge); this component replaces
+    the attention in the middle by :func:`ring_attention`. Each rank calls the
+    layer on its shard of the sequence::
 
         parallel = ContextParallel(group, layout="zigzag")
+        layer = MultiHeadAttention(512, 512, 8, rope=True, backend=parallel)
         x_local = parallel.shard(x, dim=1)              # (B, T, C) -> (B, n, C)
-        y_local = layer(x_local, key_mask=parallel.shard(key_mask, dim=1), parallel=parallel)
+        y_local = layer(x_local, key_mask=parallel.shard(key_mask, dim=1))
 
-    The protocol a layer uses (and all it may assume) is three methods:
+    (``layer.backend = parallel`` switches an existing layer.) It implements
+    the kernel protocol of :mod:`attnkit.backends.kernel`:
 
-    - ``check(problem, n)``: every rank passes what is wrong with its own call
-      (or None) and its shard length; every rank raises the same ValueError
-      if any rank's call is wrong, before any rank starts the ring;
-
-    - ``positions(n, device)`` -> int64 (n,): the global positions of this
-      rank's n tokens; the layer rotates queries and keys at these positions
-      (``layer.rope.rotate(x, positions)``) instead of 0 .. n - 1;
-    - ``attention(q, k, v, *, causal, key_mask)`` -> (B, H, n, D): in place of
-      :func:`attnkit.attention`, with q (B, H, n, D), k, v (B, G, n, D)
+    - ``prepare(request)``: every rank describes what is wrong with its own
+      call (a KV cache, an attention mask, weights, explicit positions, a
+      window or dropout in training, a shard length the layout cannot split)
+      and every rank raises the same ValueError if any rank's call is wrong,
+      before any rank starts the ring; it returns the global positions
+      (B, n) of this rank's tokens, at which the layer rotates q and k;
+    - ``attention(q, k, v, *, causal, key_mask, scale)`` -> (B, H, n, Dv):
+      :func:`ring_attention` over q (B, H, n, D), k, v (B, G, n, D)
       (grouped-query heads unexpanded) and key_mask bool (B, n), True = real
-      token, or None. It runs :func:`ring_attention`.
+      token, or None.
 
     The output is this rank's rows of the single-process layer's output; the
     gradients of the (replicated) parameters summed over ranks (an
     all-reduce, as data parallelism does) are the single-process gradients.
-    Not supported under it: sliding windows, attention masks other than a key
-    mask, dropout on the weights, KV caches and returned weights.
 
     Args:
         group: the process group to split across (default: the world).
@@ -57,6 +59,11 @@ class ContextParallel:
 
     def __repr__(self) -> str:
         return f"ContextParallel(rank={self.rank}, world={self.world}, layout={self.layout!r})"
+
+    def prepare(self, request: KernelRequest) -> Tensor:
+        """Check the layer's call on every rank (one small all-gather); this rank's global positions (B, n)."""
+        self.check(_unsupported(request), request.length)
+        return self.positions(request.length, request.device).expand(request.batch, -1)  # (n,) -> (B, n)
 
     def check(self, problem: str | None, local_len: int) -> None:
         """The same ValueError on every rank when any rank's call is invalid (one small all-gather).
@@ -75,9 +82,11 @@ class ContextParallel:
         """Global positions (n,) of this rank's ``local_len`` = n tokens, int64."""
         return shard_positions(local_len * self.world, layout=self.layout, group=self.group, device=device)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None = None) -> Tensor:
-        """Exact attention of this rank's queries over every rank's keys: (B, H, n, D)."""
-        return ring_attention(q, k, v, causal=causal, key_mask=key_mask, layout=self.layout, group=self.group)
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None = None,
+                  scale: float | None = None) -> Tensor:
+        """Exact attention of this rank's queries over every rank's keys: (B, H, n, Dv)."""
+        return ring_attention(q, k, v, causal=causal, key_mask=key_mask, scale=scale, layout=self.layout,
+                              group=self.group)
 
     def shard(self, x: Tensor, dim: int = 1) -> Tensor:
         """This rank's part of a whole-sequence tensor, e.g. (B, T, C) -> (B, n, C)."""
@@ -86,3 +95,14 @@ class ContextParallel:
     def unshard(self, x_local: Tensor, dim: int = 1) -> Tensor:
         """The whole sequence from every rank's part (an all-gather), e.g. (B, n, C) -> (B, T, C)."""
         return unshard(x_local, dim, layout=self.layout, group=self.group)
+
+
+def _unsupported(request: KernelRequest) -> str | None:
+    """What this rank's layer call sets that the ring cannot compute, or None."""
+    given = [*request.given, *([f"window={request.window}"] if request.window is not None else [])]
+    if given:
+        return ("a context-parallel call takes no positions, kv_cache, attn_mask, need_weights or window "
+                "(the layout places the tokens); got " + ", ".join(given))
+    if request.dropout_p:
+        return f"context-parallel attention has no dropout; got dropout={request.dropout_p} in training"
+    return None

@@ -29,7 +29,6 @@ per shard, L positions of a chunk in one piece.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
 
 from attnkit.backends.chunked import block_backward, block_forward, block_plan, merge_into, softmax_delta
 from attnkit.functional import Visibility, block_visibility, key_padding_to_mask
@@ -49,6 +49,10 @@ _PIECES = 8  # pieces per shard: two in flight are n / 4 positions at any P
 _MIN_PIECE_ROWS = 128  # positions of a chunk per piece: smaller blocks cost the kernel more than they save
 
 
+COMPUTE_EVENT = "attnkit.ring.compute"  # torch.profiler range of each piece's block kernels
+WAIT_EVENT = "attnkit.ring.wait"  # torch.profiler range of each wait on the ring's communication
+
+
 @dataclass
 class RingTimes:
     """Seconds spent computing blocks and waiting on communication (see :func:`ring_timing`)."""
@@ -57,28 +61,23 @@ class RingTimes:
     wait_s: float = 0.0
 
 
-_TIMES: list[RingTimes] = []
-
-
 @contextmanager
 def ring_timing() -> Iterator[RingTimes]:
-    """Accumulate this process's compute and wait time of every ring call in the block (CPU timing)."""
+    """This process's compute and wait time of every ring call in the block, filled in when it ends.
+
+    The ring marks its work with ``torch.profiler.record_function`` ranges
+    (:data:`COMPUTE_EVENT`, :data:`WAIT_EVENT`); this block runs a CPU
+    profiler and sums their wall time. Any other profiler (e.g. one that
+    exports a trace) sees the same ranges.
+    """
     times = RingTimes()
-    _TIMES.append(times)
-    try:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         yield times
-    finally:
-        _TIMES.remove(times)
-
-
-@contextmanager
-def _timed(field: str) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        for times in _TIMES:
-            setattr(times, field, getattr(times, field) + time.perf_counter() - start)
+    for event in prof.events():
+        if event.name == COMPUTE_EVENT:
+            times.compute_s += event.time_range.elapsed_us() / 1e6
+        elif event.name == WAIT_EVENT:
+            times.wait_s += event.time_range.elapsed_us() / 1e6
 
 
 def _piece_rows(chunk: int) -> int:
@@ -144,7 +143,7 @@ class _Exchange:
         self.works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> list[Tensor]:
-        with _timed("wait_s"):
+        with record_function(WAIT_EVENT):
             for work in self.works:
                 work.wait()
         return self.received
@@ -209,7 +208,7 @@ def _ring_forward(spec: _Spec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
         coming = [] if following is None or following[1] == 0 else [
             _buffer(x, chunks * len(pieces[following[0]])) for x in local]
         exchange = _Exchange(spec, held if hops < last else [], coming)
-        with _timed("compute_s"):
+        with record_function(COMPUTE_EVENT):
             acc = _forward_piece(spec, q, (spec.rank - hops) % spec.world, pieces[index], held, acc)
         arrived = exchange.wait()
     assert acc is not None  # every rank's own diagonal chunk is visible
@@ -270,7 +269,7 @@ def _ring_backward(spec: _Spec, saved: tuple[Tensor, ...], mask: Tensor | None, 
         if now is not None:
             index, hops = now
             held = own_piece(index) if hops == 0 else arrived
-            with _timed("compute_s"):
+            with record_function(COMPUTE_EVENT):
                 _backward_piece(spec, (q, dout, lse, delta, dq), (spec.rank - hops) % spec.world,
                                 pieces[index], held)
             done = (index, hops, held)
@@ -323,7 +322,8 @@ class _RingFunction(torch.autograd.Function):
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_mask: Tensor | None = None,
-                   layout: str = "zigzag", group: dist.ProcessGroup | None = None) -> Tensor:
+                   scale: float | None = None, layout: str = "zigzag", group: dist.ProcessGroup | None = None
+                   ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``: this rank's output shard.
 
     Args:
@@ -333,12 +333,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key
         causal: query at global position i sees keys at positions <= i.
         key_mask: bool (B, n), True = a real token (False = padding), for this
             rank's keys; every rank passes one or none does.
+        scale: multiplies the scores; None means 1 / sqrt(D). Every rank
+            passes the same.
         layout: "zigzag" (balanced under causal) or "contiguous"; how the
             sequence was split (see :func:`attnkit.distributed.shard`).
         group: the process group (default: the world).
 
     Returns:
-        out (B, H, n, Dv): this rank's rows of softmax(q k^T / sqrt(D)) v over
+        out (B, H, n, Dv): this rank's rows of softmax(q k^T * scale) v over
         the whole sequence; a query that sees no key gets 0. Differentiable
         (once) in q, k and v.
 
@@ -349,13 +351,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key
 
     Raises:
         ValueError, on every rank, when the ranks disagree on shapes, dtype,
-        device type, layout, causal or the presence of a key mask (one small
+        device type, layout, causal, scale or the presence of a key mask (one small
         all-gather before the ring), when one rank's arguments are invalid,
         or when no process group is initialised.
     """
     rank, world = rank_and_world(group)
-    meta = check_agreement(describe(q, k, v, causal=causal, key_mask=key_mask, layout=layout, world=world),
-                           rank=rank, world=world, group=group)
-    spec = _Spec(causal, q.shape[-1] ** -0.5, layout, rank, world, group, meta["shard length n"] * world)
+    meta = check_agreement(describe(q, k, v, causal=causal, key_mask=key_mask, scale=scale, layout=layout,
+                                    world=world), rank=rank, world=world, group=group)
+    scale = q.shape[-1] ** -0.5 if meta["scale"] is None else meta["scale"]
+    spec = _Spec(causal, scale, layout, rank, world, group, meta["shard length n"] * world)
     mask = None if key_mask is None else key_mask.to(torch.uint8)  # bytes travel on every backend
     return _RingFunction.apply(q, k, v, mask, spec)

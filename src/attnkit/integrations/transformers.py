@@ -37,15 +37,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from attnkit._optional import MissingDependencyError
-from attnkit.backends import BACKENDS, attention
+from attnkit._optional import MissingDependencyError, install_hint
+from attnkit.backends import BACKENDS, attention, check_mask
 
 NAME = "attnkit"
 MIN_TRANSFORMERS = "5.0"
-_INSTALL = f"pip install 'attnkit[hf]' (transformers>={MIN_TRANSFORMERS})"
+_INSTALL = f"{install_hint('transformers', 'hf')} (transformers>={MIN_TRANSFORMERS})"
 
 # transformers' own implementations: registering over them would hide them.
 _BUILTIN = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
@@ -131,26 +130,25 @@ def read_mask(mask: object, query: Tensor, key: Tensor) -> Tensor | None:
     """transformers' attention mask as attnkit reads it, or ValueError naming its shape and dtype.
 
     Accepted: None, or a 4-d bool (True = may attend) or float (added to the
-    scores) tensor that broadcasts to (B, H, T, S).
+    scores) tensor that broadcasts to (B, H, T, S), on the query's device.
+    Beyond the 4 dimensions transformers always passes, the checks are
+    :func:`attnkit.backends.check_mask`'s, the ones every attnkit call runs.
     """
     if mask is None:
         return None
-    b, h, t, _ = query.shape  # (B, H, T, D)
-    full = (b, h, t, key.shape[2])
-    readable = False
-    if isinstance(mask, Tensor) and (mask.dtype == torch.bool or mask.is_floating_point()) and mask.dim() == 4:
+    full = (*query.shape[:3], key.shape[2])  # (B, H, T, S)
+    problem = "it is not a 4-d tensor"
+    if isinstance(mask, Tensor) and mask.dim() == 4:
         try:
-            readable = torch.broadcast_shapes(mask.shape, full) == full
-        except RuntimeError:
-            readable = False
-    if not readable:
-        shape = tuple(getattr(mask, "shape", ()))
-        dtype = getattr(mask, "dtype", type(mask).__name__)
-        raise ValueError(
-            f"attnkit cannot read an attention mask of shape {shape} and dtype {dtype}: it reads a 4-d bool "
-            f"(True = may attend) or float (added to the scores) mask that broadcasts to (B, H, T, S) = {full}")
-    assert isinstance(mask, Tensor)  # readable implies it
-    return mask
+            return check_mask(mask, query, key.shape[2], name="attention_mask")
+        except (TypeError, ValueError) as err:
+            problem = str(err)
+    shape = tuple(getattr(mask, "shape", ()))
+    dtype = getattr(mask, "dtype", type(mask).__name__)
+    raise ValueError(
+        f"attnkit cannot read an attention mask of shape {shape} and dtype {dtype}: it reads a 4-d bool "
+        f"(True = may attend) or float (added to the scores) mask that broadcasts to (B, H, T, S) = {full} "
+        f"({problem})")
 
 
 def _band(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, is_causal: bool | None,

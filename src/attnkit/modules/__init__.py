@@ -1,9 +1,9 @@
 """The production layers: MultiHeadAttention, CrossAttention, the KV cache, and converters."""
 
-from .attention import MultiHeadAttention, Parallel
+from .attention import MultiHeadAttention
 from .convert import from_textbook, from_torch, to_torch
 from .cross import CrossAttention
 from .kv_cache import Cache, KVCache, StaticKVCache
 
-__all__ = ["Cache", "CrossAttention", "KVCache", "MultiHeadAttention", "Parallel", "StaticKVCache", "from_textbook",
+__all__ = ["Cache", "CrossAttention", "KVCache", "MultiHeadAttention", "StaticKVCache", "from_textbook",
            "from_torch", "to_torch"]

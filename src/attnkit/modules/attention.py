@@ -6,30 +6,14 @@ H query heads, G key/value heads, D head dim, C = H * D = d_out.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import Tensor, nn
 
+from attnkit.backends.kernel import Kernel, KernelRequest, check_kernel
 from attnkit.functional import RotaryEmbedding, position_mask
 
 from .heads import AttentionHeads, factory_kwargs
 from .kv_cache import Cache, CachedKeys, check_cache, check_positions, transaction
-
-
-class Parallel(Protocol):
-    """A context-parallel strategy (e.g. :class:`attnkit.distributed.ContextParallel`).
-
-    Each process holds a shard of the sequence; ``positions`` gives the
-    global positions of its T tokens (for rotary embedding) and ``attention``
-    attends its queries to the keys and values of the whole sequence.
-    """
-
-    def check(self, problem: str | None, length: int) -> None: ...
-
-    def positions(self, length: int, device: torch.device) -> Tensor: ...
-
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None) -> Tensor: ...
 
 
 def _make_rope(rope: bool | RotaryEmbedding, head_dim: int) -> RotaryEmbedding | None:
@@ -65,7 +49,10 @@ class MultiHeadAttention(AttentionHeads):
         window: with causal, each query sees only its ``window`` most recent
             keys, itself included (sliding-window attention).
         backend: kernel for :func:`attnkit.attention` ("auto", "sdpa",
-            "chunked", "math"). Asking for weights uses "math" under "auto".
+            "chunked", "math"; asking for weights uses "math" under "auto"),
+            or a kernel component (:mod:`attnkit.backends.kernel`) such as
+            :class:`attnkit.distributed.ContextParallel`, which runs the
+            layer on a shard of the sequence (ring attention).
         device, dtype: where and how the parameters are created, as for
             ``nn.Linear`` (``device="meta"``, then ``to_empty()`` and
             :meth:`reset_parameters`, builds a large model without memory).
@@ -79,7 +66,7 @@ class MultiHeadAttention(AttentionHeads):
 
     def __init__(self, d_in: int, d_out: int, num_heads: int, *, num_kv_heads: int | None = None,
                  causal: bool = True, dropout: float = 0.0, qkv_bias: bool = False, out_bias: bool = True,
-                 rope: bool | RotaryEmbedding = False, window: int | None = None, backend: str = "auto",
+                 rope: bool | RotaryEmbedding = False, window: int | None = None, backend: str | Kernel = "auto",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         factory = factory_kwargs(device, dtype)
         super().__init__(d_in, d_out, num_heads, num_kv_heads=num_kv_heads, causal=causal, window=window,
@@ -105,7 +92,7 @@ class MultiHeadAttention(AttentionHeads):
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, key_mask: Tensor | None = None,
                 attn_mask: Tensor | None = None, kv_cache: Cache | None = None, need_weights: bool = False,
-                parallel: Parallel | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                parallel: object = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from x (B, T, d_in) to itself (and to what ``kv_cache`` holds).
 
         Args:
@@ -113,7 +100,8 @@ class MultiHeadAttention(AttentionHeads):
                 rotates each row at its own positions, and the causal band
                 (and window) is aligned by them, so rows at different
                 positions each get what they would get alone. None: 0 .. T - 1,
-                or after what the cache holds.
+                or after what the cache holds (or where a kernel component
+                such as ContextParallel places this shard's tokens).
             key_mask: bool (B, S), True where a key is a real token (False =
                 padding). With a KV cache, S counts the cached positions too.
             attn_mask: bool (True = may attend) or float (added to the
@@ -124,18 +112,22 @@ class MultiHeadAttention(AttentionHeads):
                 stored in it and attention covers all it holds. A call that
                 raises leaves the cache as it was.
             need_weights: also return the weights (B, H, T, S).
-            parallel: run context-parallel: x is this process's shard of the
-                sequence and ``parallel`` (e.g.
-                :class:`attnkit.distributed.ContextParallel`) supplies its
-                global positions and attends across processes; ``key_mask``
-                is this shard's (B, T). No cache, attn_mask or weights then.
+            parallel: removed; context parallelism is a kernel component
+                given as ``backend`` (``MultiHeadAttention(...,
+                backend=ContextParallel(...))`` or ``layer.backend = ...``).
 
         Returns: (B, T, d_out), or (output, weights) with ``need_weights``.
         """
-        self.check_x(x)
         if parallel is not None:
-            return self._parallel(x, parallel, key_mask, attn_mask, kv_cache, need_weights)
+            raise TypeError("forward(parallel=...) was removed: context parallelism is a kernel component, given "
+                            "once as the layer's backend: MultiHeadAttention(..., backend=ContextParallel(...)) "
+                            "or layer.backend = ContextParallel(...)")
+        self.check_x(x)
         b, t, _ = x.shape
+        if not isinstance(self.backend, str):  # the kernel checks the call (on every rank) and may place its tokens
+            check_kernel(self.backend)  # also when set after construction (layer.backend = ...)
+            placed = self.backend.prepare(self._request(x, positions, attn_mask, kv_cache, need_weights))
+            positions = positions if placed is None else placed
         if positions is not None:
             positions = check_positions(positions, b, t)
         q, k, v = self.project(x)
@@ -150,6 +142,15 @@ class MultiHeadAttention(AttentionHeads):
             keys = cache.update(k, v, at if isinstance(at, Tensor) else None)  # (B, G, S, D)
             return self._attend(q, keys, at, key_mask, attn_mask, need_weights)
 
+    def _request(self, x: Tensor, positions: object, attn_mask: object, kv_cache: object,
+                 need_weights: object) -> KernelRequest:
+        """This call, described to a kernel component before anything is computed."""
+        given = {"positions": positions is not None, "kv_cache": kv_cache is not None,
+                 "attn_mask": attn_mask is not None, "need_weights": need_weights is not False}
+        return KernelRequest(batch=x.shape[0], length=x.shape[1], device=x.device, causal=self.causal,
+                             window=self.window, dropout_p=self.dropout if self.training else 0.0,
+                             given=tuple(name for name, was_given in given.items() if was_given))
+
     def _rotate(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
         """q (B, H, T, D) and k (B, G, T, D) rotated at offset .. offset + T - 1, or at positions (B, T)."""
         if self.rope is None:
@@ -160,7 +161,12 @@ class MultiHeadAttention(AttentionHeads):
 
     def _attend(self, q: Tensor, keys: CachedKeys, positions: int | Tensor, key_mask: Tensor | None,
                 attn_mask: Tensor | None, need_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
-        """Attention over what the cache handed back; the band from positions when they are explicit."""
+        """Attention over what the cache handed back; the band from positions when they are explicit.
+
+        A kernel component attends by the positions its ``prepare`` gave (it knows the band itself).
+        """
+        if not isinstance(self.backend, str):
+            return self.attend_with(self.backend, q, keys.k, keys.v, key_mask=key_mask)
         if keys.positions is None and not isinstance(positions, Tensor):  # a plain prefix: the symbolic band
             return self.attend(q, keys.k, keys.v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights)
         b, _, t, _ = q.shape
@@ -171,28 +177,6 @@ class MultiHeadAttention(AttentionHeads):
         band = position_mask(q_pos, k_pos, causal=self.causal, window=self.window)  # (B, 1, T, S)
         return self.attend(q, keys.k, keys.v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights,
                            band=band)
-
-    def _parallel(self, x: Tensor, parallel: Parallel, key_mask: Tensor | None, attn_mask: object,
-                  kv_cache: object, need_weights: object) -> Tensor:
-        if not all(callable(getattr(parallel, m, None)) for m in ("check", "positions", "attention")):
-            raise TypeError("parallel must be a context-parallel strategy such as "
-                            f"attnkit.distributed.ContextParallel, got {type(parallel).__name__}")
-        given = {"kv_cache": kv_cache is not None, "attn_mask": attn_mask is not None,
-                 "need_weights": need_weights is not False, f"window={self.window}": self.window is not None}
-        problem = None
-        if any(given.values()):
-            problem = "a context-parallel call takes no kv_cache, attn_mask, need_weights or window; got " + \
-                ", ".join(name for name, was_given in given.items() if was_given)
-        elif self.dropout and self.training:
-            problem = f"context-parallel attention has no dropout; got dropout={self.dropout} in training"
-        parallel.check(problem, x.shape[1])  # the same error on every rank, before any communication hangs
-        q, k, v = self.project(x)
-        if self.rope is not None:
-            positions = parallel.positions(x.shape[1], x.device)  # (T,) global positions of this shard
-            q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
-        out = parallel.attention(q, k, v, causal=self.causal, key_mask=key_mask)  # (B, H, T, D)
-        b, t, _ = x.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, self.d_out))  # (B, H, T, D) -> (B, T, d_out)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """The same layer as a ``torch.nn.MultiheadAttention`` (see :func:`attnkit.modules.convert.to_torch`)."""

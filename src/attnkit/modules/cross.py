@@ -35,6 +35,9 @@ class CrossAttention(AttentionHeads):
     def __init__(self, d_in: int, d_out: int, num_heads: int, *, d_context: int, num_kv_heads: int | None = None,
                  dropout: float = 0.0, qkv_bias: bool = False, out_bias: bool = True, backend: str = "auto",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        if not isinstance(backend, str):
+            raise TypeError(f"CrossAttention's backend must be a backend's name (str), got {type(backend).__name__}; "
+                            "kernel components (e.g. ContextParallel) serve MultiHeadAttention")
         factory = factory_kwargs(device, dtype)
         super().__init__(d_in, d_out, num_heads, num_kv_heads=num_kv_heads, causal=False, window=None,
                          dropout=dropout, out_bias=out_bias, backend=backend, factory=factory)

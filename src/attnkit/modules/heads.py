@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit.backends import check_backend, check_options, make_call, run
+from attnkit.backends.kernel import Kernel, check_kernel
 from attnkit.functional import combine_masks
 
 
@@ -31,12 +32,15 @@ class AttentionHeads(nn.Module):
     """Base of attnkit's layers: H query heads over G key/value heads, and ``out_proj``.
 
     Subclasses make q (B, H, T, D) and k, v (B, G, S, D) and call
-    :meth:`attend`. Options are checked here once, with the backends' own
-    checks (:func:`attnkit.backends.check_options`, ``check_backend``).
+    :meth:`attend` (a registered backend, by name) or :meth:`attend_with`
+    (a kernel component); both merge the heads with :meth:`merge`. Options
+    are checked here once, with the backends' own checks
+    (:func:`attnkit.backends.check_options`, ``check_backend``,
+    ``check_kernel``).
     """
 
     def __init__(self, d_in: int, d_out: int, num_heads: int, *, num_kv_heads: int | None, causal: bool,
-                 window: int | None, dropout: float, out_bias: bool, backend: str,
+                 window: int | None, dropout: float, out_bias: bool, backend: str | Kernel,
                  factory: dict[str, Any]) -> None:
         super().__init__()
         for name, value in (("d_in", d_in), ("d_out", d_out), ("num_heads", num_heads)):
@@ -46,11 +50,15 @@ class AttentionHeads(nn.Module):
         if num_kv_heads is not None and num_heads % positive_int("num_kv_heads", num_kv_heads):
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         check_options(causal=causal, window=window, dropout_p=dropout, dropout_name="dropout")
-        check_backend(backend, dropout_p=float(dropout))
+        if isinstance(backend, str):
+            check_backend(backend, dropout_p=float(dropout))
+        else:
+            check_kernel(backend)
         self.d_in, self.d_out, self.num_heads = d_in, d_out, num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.head_dim = d_out // num_heads
-        self.causal, self.window, self.dropout, self.backend = causal, window, float(dropout), backend
+        self.causal, self.window, self.dropout = causal, window, float(dropout)
+        self.backend: str | Kernel = backend
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias, **factory)
         # the dtype and device of activations, converted by .to() / .double() like a parameter: a module swap
         # (quantize_dynamic, LoRA) may replace the projections' weights, but inputs stay in this dtype
@@ -98,6 +106,9 @@ class AttentionHeads(nn.Module):
         """
         if not isinstance(need_weights, bool):
             raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
+        if not isinstance(self.backend, str):
+            raise TypeError(f"attend runs a backend by name, got {type(self.backend).__name__}: a kernel component "
+                            "goes through attend_with")
         causal, window = (self.causal, self.window) if band is None else (False, None)
         call = make_call(q, k, v, mask=attn_mask, key_mask=key_mask, causal=causal, window=window,
                          dropout_p=self.dropout if self.training else 0.0, mask_name="attn_mask")
@@ -105,10 +116,18 @@ class AttentionHeads(nn.Module):
             call = replace(call, mask=combine_masks(call.mask, band))
         result = run(call, backend=self.backend, return_weights=need_weights)
         out, weights = result if isinstance(result, tuple) else (result, None)
-        b, _, t, _ = q.shape
+        return (self.merge(out), weights) if weights is not None else self.merge(out)
+
+    def attend_with(self, kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None) -> Tensor:
+        """Attention by a kernel component (after its ``prepare``), merged and projected: (B, T, d_out)."""
+        out = kernel.attention(q, k, v, causal=self.causal, key_mask=key_mask, scale=self.head_dim ** -0.5)
+        return self.merge(out)  # (B, H, T, D) -> (B, T, d_out)
+
+    def merge(self, out: Tensor) -> Tensor:
+        """The heads' outputs (B, H, T, D) merged and projected: (B, T, d_out)."""
+        b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, self.d_out)  # (B, H, T, D) -> (B, T, H, D) -> (B, T, C)
-        out = self.out_proj(out)  # (B, T, C) -> (B, T, d_out)
-        return (out, weights) if weights is not None else out
+        return self.out_proj(out)  # (B, T, C) -> (B, T, d_out)
 
 
 def factory_kwargs(device: torch.device | str | None, dtype: torch.dtype | None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Regressions of the chunked kernel and its block API."""
+"""The chunked backend and its block API (src/attnkit/backends/chunked.py), the kernel the ring is built on."""
 
 from __future__ import annotations
 
