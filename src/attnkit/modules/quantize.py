@@ -8,8 +8,7 @@ hand-written.
 
 - ``"float32"``: the weights as they are.
 - ``"float16"``: half-precision weights, float32 activations (fbgemm's
-  ``fbgemm_linear_fp16_weight`` through ``torch.ao``'s module swap): half the
-  bytes.
+  ``fbgemm_linear_fp16_weight``, x86 CPUs): half the bytes.
 - ``"int8"``: int8 weights with one scale per output channel
   (``torch._weight_int8pack_mm``): a quarter of the bytes.
 - ``"int4"``: 4-bit weights in groups of 32 inputs, each group with its own
@@ -20,11 +19,15 @@ hand-written.
   cost SmolLM2 1.5 points of greedy agreement), and one whose inputs are not
   a multiple of 32 (or outputs not a multiple of 16) in int8.
 
-The int8 and int4 kernels take bfloat16 activations: their float32 path
+Every packed layer is an op ``torch.compile`` captures (the compiled decode
+step of :mod:`attnkit.models.generation` runs on any form). The int8 and
+int4 kernels take bfloat16 activations: their float32 path
 measured 4-25x slower on this project's CPU (BENCHMARKS.md), so those layers
-round their input to bfloat16 and return float32. Every form meets the
+round their input to bfloat16 and return float32. float16 and int4 meet the
 accuracy bar on SmolLM2 (tests/modules/test_quantize.py: >= 97% greedy
-agreement, perplexity within 3%).
+agreement, perplexity within 3%); int8 keeps perplexity (within 0.4%) but
+agrees on 96.1% of greedy choices: one scale per row is coarser than the
+file's 4-bit groups.
 
 Refused, by name: an unknown form, a form this CPU's PyTorch cannot run, a
 model quantized twice, and a quantized model asked to train or to
@@ -71,11 +74,12 @@ def weight_form(model: nn.Module) -> str:
 class PackedLinear(nn.Module):
     """A linear layer whose weight is packed for one of PyTorch's low-bit kernels (inference only).
 
-    Subclasses pack in their constructor and define :meth:`matmul`
-    over 2-D bfloat16 input; this class keeps the float32 interface.
+    Subclasses pack in their constructor and define :meth:`matmul` over 2-D
+    input in their ``compute`` dtype; this class keeps the float32 interface.
     """
 
     form = "packed"
+    compute = torch.bfloat16  # the dtype the kernel reads its input in
     bias: Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: Tensor | None) -> None:
@@ -84,21 +88,68 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def matmul(self, x: Tensor) -> Tensor:
-        """(M, in) bfloat16 -> (M, out) bfloat16."""
+        """(M, in) -> (M, out), in :attr:`compute`."""
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"a linear layer with {self.form} weights has no gradient (its weights are packed for "
-                             "inference): load the model with weights='float32' to differentiate through it")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input (..., {self.in_features}), got {tuple(x.shape)}")
-        out = self.matmul(x.reshape(-1, self.in_features).to(torch.bfloat16))  # (..., in) -> (M, out)
+        if x.requires_grad and torch.is_grad_enabled():  # runs, but a backward through it says why it cannot
+            return _NoGradient.apply(x, self)
+        return self._product(x)
+
+    def _product(self, x: Tensor) -> Tensor:
+        out = self.matmul(x.reshape(-1, self.in_features).to(self.compute))  # (..., in) -> (M, out)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (M, out) -> (..., out)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class _NoGradient(torch.autograd.Function):
+    """A packed layer's product whose backward raises: packed weights have no gradient formula."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, layer: PackedLinear) -> Tensor:
+        ctx.form = layer.form  # type: ignore[attr-defined]
+        return layer._product(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> None:
+        raise ValueError(f"a linear layer with {ctx.form} weights has no gradient (its weights are "  # type: ignore[attr-defined]
+                         "packed for inference): load the model with weights='float32' to differentiate through it")
+
+
+@torch.library.custom_op("attnkit::linear_fp16_weight", mutates_args=())
+def _linear_fp16_weight(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """fbgemm's float16-weight product, (M, in) float32 -> (M, out) float32 (an op torch.compile can capture)."""
+    with warnings.catch_warnings():  # the function is marked deprecated; torch.ao's dynamic linear calls the same
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, torch.zeros(out_features))
+
+
+@_linear_fp16_weight.register_fake
+def _(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    return x.new_empty(x.shape[0], out_features)  # (M, in) -> (M, out)
+
+
+class Float16Linear(PackedLinear):
+    """float16 weights, float32 activations: fbgemm's ``fbgemm_linear_fp16_weight`` (x86 CPUs)."""
+
+    form = "float16"
+    compute = torch.float32
+    packed: Tensor  # fbgemm's packed float16 matrix (opaque)
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        with warnings.catch_warnings():  # marked deprecated, as above
+            warnings.simplefilter("ignore", UserWarning)
+            packed = torch.fbgemm_pack_gemm_matrix_fp16(weight.detach().float().contiguous())
+        self.register_buffer("packed", packed)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return _linear_fp16_weight(x, self.packed, self.out_features)  # (M, in) -> (M, out)
 
 
 class Int8Linear(PackedLinear):
@@ -164,26 +215,22 @@ def _refuse_training(module: nn.Module, _: object) -> None:
                          "inference (no gradients); load it with weights='float32' to train")
 
 
-def _tied_heads(model: nn.Module) -> dict[str, object]:
-    """float16 qconfigs for the linear layers that share their weight with an embedding table (a tied head)."""
-    tables = {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
-    return {name: torch.ao.quantization.float16_dynamic_qconfig for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m.weight.untyped_storage().data_ptr() in tables}
+def _tied_to_embedding(model: nn.Module) -> set[int]:
+    """The storage pointers of every embedding table in ``model`` (a head tied to one shares it)."""
+    return {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def _float16(model: nn.Module, spec: set[type[nn.Module]] | dict[str, object]) -> None:
-    """fbgemm's float16 linear swapped in for ``spec`` (types or module names), through torch.ao."""
-    with warnings.catch_warnings():  # torch.ao announces its move to torchao on every call
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*torch.ao.quantization.*|.*quantize_per_tensor.*")
-        torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.float16, inplace=True)
+def _int4_with_float16_head(model: nn.Module) -> Callable[[nn.Linear], PackedLinear]:
+    """int4; float16 for a head tied to an embedding; int8 where the sizes do not fit the kernel's tiles."""
+    tied = _tied_to_embedding(model)
 
-
-def _int4(linear: nn.Linear) -> PackedLinear:
-    """int4, or int8 where the sizes do not fit the kernel's tiles (inputs in groups of 32, outputs by 16)."""
-    if linear.in_features % GROUP or linear.out_features % 16:
-        return Int8Linear(linear.weight, linear.bias)
-    return Int4Linear(linear.weight, linear.bias)
+    def make(linear: nn.Linear) -> PackedLinear:
+        if linear.weight.untyped_storage().data_ptr() in tied:
+            return Float16Linear(linear.weight, linear.bias)
+        if linear.in_features % GROUP or linear.out_features % 16:
+            return Int8Linear(linear.weight, linear.bias)
+        return Int4Linear(linear.weight, linear.bias)
+    return make
 
 
 def _swap(module: nn.Module, make: Callable[[nn.Linear], PackedLinear]) -> None:
@@ -218,13 +265,11 @@ def quantize(model: nn.Module, weights: str) -> nn.Module:
     _check(model, weights)
     if weights == "float32":
         return model
-    if weights == "float16":
-        _float16(model, {nn.Linear})
-    elif weights == "int8":
-        _swap(model, lambda linear: Int8Linear(linear.weight, linear.bias))
-    else:  # the head tied to the embedding in float16 (int8 there cost 1.5 points of greedy agreement)
-        _float16(model, _tied_heads(model))
-        _swap(model, _int4)
+    make: Callable[[nn.Linear], PackedLinear] = {
+        "float16": lambda linear: Float16Linear(linear.weight, linear.bias),
+        "int8": lambda linear: Int8Linear(linear.weight, linear.bias),
+    }.get(weights) or _int4_with_float16_head(model)
+    _swap(model, make)
     model.weight_form = weights  # type: ignore[assignment]
     model.register_forward_pre_hook(_refuse_training)
     return model.eval()
