@@ -9,9 +9,14 @@ to a backend (:func:`run`):
 - ``"chunked"``: pure PyTorch online softmax over key blocks with a
   recomputing backward; never materialises (T, S);
 - ``"auto"``: math when weights are asked for; chunked when SDPA would need
-  a dense mask built from the causal / window band of more than
-  :data:`DENSE_BAND_LIMIT` (query, key) pairs; otherwise the first of
-  :data:`AUTO_ORDER` that can serve the call (SDPA).
+  a dense mask built from the causal / window band (or from modifiers) of
+  more than :data:`DENSE_BAND_LIMIT` (query, key) pairs; otherwise the first
+  of :data:`AUTO_ORDER` that can serve the call (SDPA, unless a score
+  modifier is more than an additive bias).
+
+Score and mask modifiers take FlexAttention's form (``score_mod(score, b, h,
+q_idx, kv_idx)``, ``mask_mod(b, h, q_idx, kv_idx)``, global positions); the
+built-ins are in :mod:`attnkit.functional.modifiers`.
 
 A layer's ``backend`` may also be a kernel component (:mod:`.kernel`), such
 as the ring of :class:`attnkit.distributed.ContextParallel`, in place of a name.
@@ -31,6 +36,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from torch import Tensor
+
+from attnkit.functional.modifiers import MaskMod, ScoreMod
 
 from . import chunked, math, sdpa  # noqa: F401  (each registers itself)
 from .call import AttentionCall, check_mask, check_options, make_call
@@ -93,6 +100,9 @@ def attention(
     window: int | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+    sinks: Tensor | None = None,
     backend: str = "auto",
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -117,6 +127,24 @@ def attention(
         scale: multiplies the scores; default 1 / sqrt(D).
         dropout_p: probability of dropping a weight. Applied whenever > 0:
             pass 0 in evaluation (``MultiHeadAttention`` does this for you).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, as
+            FlexAttention's: applied to the scaled scores before any mask.
+            The indices are long tensors that broadcast against the scores:
+            b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, T, 1), kv_idx
+            (1, 1, 1, S), in global positions (keys 0 .. S - 1, queries the
+            last T of them, S - T .. S - 1, as ``causal`` aligns them). It
+            must return floating-point scores of the same shape. Tensors it
+            closes over that require grad (learned slopes) get gradients.
+            Keep it pure: kernels call it per block, again in the backward,
+            and once on a (B, H, 1, 1) probe to find those tensors.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = may
+            attend; and-ed with ``mask``, ``key_mask``, ``causal`` and
+            ``window`` (which become mask modifiers themselves then).
+            Built-ins: :mod:`attnkit.functional.modifiers`.
+        sinks: (H,) learned sink logits, one per query head (gpt-oss): each
+            row's softmax denominator gains exp(sinks[h]), as if a key with
+            that score and value 0 were visible to every query; rows then sum
+            to less than 1, and a query with no visible key still gets 0.
         backend: "auto", "math", "sdpa", "chunked", or a registered name.
         return_weights: also return the attention weights (B, H, T, S), taken
             after softmax and before dropout (math backend only).
@@ -124,14 +152,14 @@ def attention(
     Returns:
         out (B, H, T, Dv), or (out, weights) with ``return_weights=True``. A
         query with no visible key gets output 0, weights 0 and finite
-        gradients, in every backend. A NaN in a query gives NaN in its row in
+        gradients, in every backend (modifiers and sinks included). A NaN in a query gives NaN in its row in
         every backend (SDPA's CPU kernel alone would return 0 there; attnkit's
         adapter propagates it). A NaN in k or v may spread further than the
         rows that see it (0 x NaN is NaN), and how far differs by backend:
         a mask does not hide a NaN key or value.
     """
     call = make_call(q, k, v, mask=mask, key_mask=key_mask, causal=causal, window=window, scale=scale,
-                     dropout_p=dropout_p)
+                     dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
     return run(call, backend=backend, return_weights=return_weights)
 
 

@@ -14,6 +14,18 @@ import torch
 from torch import Tensor
 
 from attnkit.functional import Visibility, block_visibility, combine_masks, key_padding_to_mask, visible_band
+from attnkit.functional.modifiers import Band, MaskMod, ScoreMod, and_masks, modifier_name
+
+from .modifiers import (
+    MASK_ARGS,
+    SCORE_ARGS,
+    additive_bias,
+    apply_mask_mod,
+    check_geometry,
+    check_modifier,
+    check_sinks,
+    index_grid,
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +37,11 @@ class AttentionCall:
     :func:`make_call` is already in it, as (B, 1, 1, S). ``causal`` and
     ``window`` describe the bottom-right aligned band, kept symbolic so that
     kernels can skip blocks instead of reading a (T, S) mask.
+
+    ``score_mod`` and ``mask_mod`` are modifiers in FlexAttention's form (see
+    :mod:`attnkit.functional.modifiers`); a call with either is *modified*,
+    and its kernels read the band as a mask modifier too
+    (:meth:`visibility_mod`). ``sinks`` (H,) are learned sink logits.
     """
 
     q: Tensor  # (B, H, T, D)
@@ -35,6 +52,14 @@ class AttentionCall:
     window: int | None
     scale: float
     dropout_p: float
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
+    sinks: Tensor | None = None  # (H,)
+
+    @property
+    def modified(self) -> bool:
+        """Whether a score or mask modifier is given."""
+        return self.score_mod is not None or self.mask_mod is not None
 
     @property
     def num_heads(self) -> int:
@@ -57,6 +82,22 @@ class AttentionCall:
         """S - T: query i is aligned with key i + offset."""
         return self.num_keys - self.num_queries
 
+    @property
+    def q_positions(self) -> range:
+        """The queries' positions, S - T .. S - 1: the last T of the S key positions."""
+        return range(self.offset, self.num_keys)
+
+    @property
+    def kv_positions(self) -> range:
+        return range(self.num_keys)
+
+    def visibility_mod(self) -> MaskMod | None:
+        """The causal / window band as a mask modifier, and-ed with ``mask_mod``: what a modified call hides."""
+        band = Band(self.window) if self.causal else None
+        if band is None or self.mask_mod is None:
+            return band if self.mask_mod is None else self.mask_mod
+        return and_masks(band, self.mask_mod)
+
     def band(self) -> Tensor | None:
         """The causal / window mask (T, S), True = may attend; None if it hides nothing."""
         return visible_band(range(self.num_queries), range(self.num_keys), offset=self.offset,
@@ -68,12 +109,33 @@ class AttentionCall:
                                 causal=self.causal, window=self.window) is Visibility.ALL
 
     def dense_mask(self) -> Tensor | None:
-        """The explicit mask and the band as one mask broadcastable to (B, H, T, S)."""
-        return combine_masks(self.mask, self.band())
+        """The explicit mask and the band as one mask broadcastable to (B, H, T, S).
+
+        In a modified call, the mask modifiers too, evaluated on (T, S), and a
+        score modifier's additive bias (a call whose score modifier is not
+        additive has no dense mask: ValueError).
+        """
+        if not self.modified:
+            return combine_masks(self.mask, self.band())
+        b, h = self.q.shape[0], self.num_heads
+        idx = index_grid(b, h, self.q_positions, self.kv_positions, self.q.device)
+        mask = self.mask
+        if self.score_mod is not None:
+            additive = additive_bias(self.score_mod)
+            if additive is None:
+                raise ValueError(f"score_mod {modifier_name(self.score_mod)} is not an additive bias: no dense mask "
+                                 "expresses it")
+            bias = additive.bias(*idx)  # broadcasts to (B, H, T, S)
+            if bias is None:
+                raise ValueError(f"score_mod {modifier_name(self.score_mod)} returned no bias")
+            mask = bias.to(self.q.dtype) if mask is None else combine_masks(mask, bias.to(self.q.dtype))
+        visibility = self.visibility_mod()
+        return mask if visibility is None else combine_masks(mask, apply_mask_mod(visibility, idx))
 
     def may_have_empty_rows(self) -> bool:
         """Whether some query might see no key (then its output must be 0)."""
-        return self.mask is not None or (self.causal and self.num_queries > self.num_keys)
+        return (self.mask is not None or self.mask_mod is not None
+                or (self.causal and self.num_queries > self.num_keys))
 
 
 _UPCAST = (torch.float16, torch.bfloat16)
@@ -204,6 +266,7 @@ def check_scale(scale: object) -> None:
 
 def make_call(q: object, k: object, v: object, *, mask: object = None, key_mask: object = None,
               causal: object = False, window: object = None, scale: object = None, dropout_p: object = 0.0,
+              score_mod: object = None, mask_mod: object = None, sinks: object = None,
               mask_name: str = "mask") -> AttentionCall:
     """Validate the arguments of :func:`attnkit.attention`; errors name the offending value.
 
@@ -215,8 +278,21 @@ def make_call(q: object, k: object, v: object, *, mask: object = None, key_mask:
     check_scale(scale)
     num_keys = k.shape[2]
     checked = combine_masks(check_mask(mask, q, num_keys, name=mask_name), check_key_mask(key_mask, q, num_keys))
-    return AttentionCall(
+    call = AttentionCall(
         q, k, v, checked, bool(causal), window,  # type: ignore[arg-type]
         q.shape[-1] ** -0.5 if scale is None else float(scale),  # type: ignore[arg-type]
         float(dropout_p),  # type: ignore[arg-type]
     )
+    if score_mod is None and mask_mod is None and sinks is None:
+        return call
+    return _with_modifiers(call, score_mod, mask_mod, sinks)
+
+
+def _with_modifiers(call: AttentionCall, score_mod: object, mask_mod: object, sinks: object) -> AttentionCall:
+    """``call`` with its modifiers and sinks, checked: callables of the right signature fitting its geometry."""
+    check_modifier(score_mod, "score_mod", SCORE_ARGS)
+    check_modifier(mask_mod, "mask_mod", MASK_ARGS)
+    for fn in (score_mod, mask_mod):
+        check_geometry(fn, call.q.shape[0], call.num_heads, call.q_positions, call.kv_positions)
+    return AttentionCall(call.q, call.k, call.v, call.mask, call.causal, call.window, call.scale, call.dropout_p,
+                         score_mod, mask_mod, check_sinks(sinks, call.q))  # type: ignore[arg-type]

@@ -27,12 +27,22 @@ reference): exact, but O(T * S) memory.
 Grouped-query heads are handled without copying keys or values: the R = H // G
 query heads that share a key/value head are stacked along the query axis.
 
+Modifiers (a plan with ``mods``, see :mod:`.blockmods`): the causal / window
+band becomes a mask modifier; each key block is classified by the mask
+modifier's block rule before anything is computed (hidden blocks skipped),
+the mask modifier is evaluated on a block only where needed, never on (T, S),
+and the score modifier runs on each computed block, after the scores and
+before the masks; the backward differentiates through it per block by
+autograd, for the tensors it closes over too. Learned sinks join each row's
+log-sum-exp once, after all key blocks (:func:`.modifiers.add_sinks`).
+
 Legend: B batch, H query heads, G key/value heads, R = H // G, T queries,
 S keys, D head dim, Dv value head dim, Tb / Sb block sizes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +56,10 @@ from attnkit.functional import (
     visible_band,
 )
 
+from .blockmods import Block, BlockMods, block_mods, captured_tensors
 from .call import AttentionCall, compute_dtype
 from .math import math_intermediates
+from .modifiers import add_sinks, sink_grad
 from .registry import Backend, register
 
 _SCORE_BUDGET = 1 << 20  # elements of one block of scores (4 MiB in float32)
@@ -61,7 +73,9 @@ class BlockPlan:
     ``offset``: query i is aligned with key i + offset (S - T for one
     bottom-right aligned call; the difference of the first global positions
     of a query block and a key block in a ring). ``compute`` is the dtype of
-    the arithmetic (float32 for half-precision inputs).
+    the arithmetic (float32 for half-precision inputs). ``mods``: score and
+    mask modifiers (then ``causal`` and ``window`` are off: the band is in
+    the mask modifier).
     """
 
     causal: bool
@@ -71,6 +85,7 @@ class BlockPlan:
     block_q: int
     block_k: int
     compute: torch.dtype
+    mods: BlockMods | None = None
 
     def blocks(self, length: int, size: int) -> list[range]:
         return [range(i, min(i + size, length)) for i in range(0, length, size)]
@@ -89,11 +104,13 @@ def _block_sizes(b: int, h: int, t: int, s: int) -> tuple[int, int]:
 
 
 def block_plan(q: Tensor, num_keys: int, *, causal: bool, scale: float, offset: int,
-               window: int | None = None) -> BlockPlan:
+               window: int | None = None, mods: BlockMods | None = None) -> BlockPlan:
     """The plan for queries q (B, H, T, D) against ``num_keys`` keys."""
     b, h, t, _ = q.shape
     block_q, block_k = _block_sizes(b, h, t, num_keys)
-    return BlockPlan(causal, window, scale, offset, block_q, block_k, compute_dtype(q.dtype))
+    if mods is not None and (causal or window is not None):
+        raise ValueError("a plan with modifiers takes its causal / window band as a mask modifier, not as flags")
+    return BlockPlan(causal, window, scale, offset, block_q, block_k, compute_dtype(q.dtype), mods)
 
 
 def _mask5(mask: Tensor | None, g: int) -> Tensor | None:
@@ -103,6 +120,13 @@ def _mask5(mask: Tensor | None, g: int) -> Tensor | None:
     if mask.shape[1] == 1:
         return mask.unsqueeze(2)  # (B?, 1, T?, S?) -> (B?, 1, 1, T?, S?)
     return mask.unflatten(1, (g, mask.shape[1] // g))  # (B?, H, T?, S?) -> (B?, G, R, T?, S?)
+
+
+def _block_mask(plan: BlockPlan, mask: Tensor | None, g: int) -> Tensor | None:
+    """The mask as the block loops read it: grouped (B?, G?, R?, T?, S?), or 4-d with modifiers."""
+    if plan.mods is None or mask is None:
+        return _mask5(mask, g)
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # -> (B?, H?, T?, S?)
 
 
 def _slice(mask: Tensor, rows: range, cols: range) -> Tensor:
@@ -175,17 +199,30 @@ def merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     lse.copy_(new.squeeze(-1))
 
 
-def _visible_blocks(plan: BlockPlan, rows: range, num_keys: int, masked: bool) -> list[tuple[range, Visibility, bool]]:
-    """(cols, visibility, whether some row may see nothing) of each key block not wholly hidden."""
-    out: list[tuple[range, Visibility, bool]] = []
+def _visible_blocks(plan: BlockPlan, rows: range, num_keys: int, masked: bool) -> list[Block] | Iterator[Block]:
+    """(cols, visibility, whether some row may see nothing, the mask modifier on the block or None) of each
+    key block not wholly hidden."""
+    if plan.mods is not None:
+        return plan.mods.blocks(rows, plan.blocks(num_keys, plan.block_k), plan.offset, masked)
+    out: list[Block] = []
     for cols in plan.blocks(num_keys, plan.block_k):
         visibility = block_visibility(rows, cols, offset=plan.offset, causal=plan.causal, window=plan.window)
         if visibility is Visibility.NONE:
             continue
         empty = masked or (visibility is Visibility.SOME and block_has_empty_rows(
             rows, cols, offset=plan.offset, causal=plan.causal, window=plan.window))
-        out.append((cols, visibility, empty))
+        out.append((cols, visibility, empty, None))
     return out
+
+
+def _block_scores(plan: BlockPlan, qb: Tensor, kb: Tensor, mask: Tensor | None, rows: range, cols: range,
+                  visibility: Visibility, keep: Tensor | None) -> Tensor:
+    """Masked (and modified) scores of one block, (B, G, R*Tb, Sb), that the caller may overwrite."""
+    if plan.mods is None:
+        return _scores(plan, qb, kb, mask, rows, cols, visibility)
+    s = torch.matmul(qb, kb.transpose(-2, -1))  # (B, G, R*Tb, D) @ (B, G, D, Sb) -> (B, G, R*Tb, Sb)
+    mb = None if mask is None else _slice(mask, rows, cols)  # (B?, H?, Tb?, Sb?)
+    return plan.mods.modify(s, mb, rows, cols, plan.offset, keep, inplace=True)
 
 
 def _group(x: Tensor, g: int, rows: range, compute: torch.dtype) -> Tensor:
@@ -206,11 +243,14 @@ def _cat(parts: list[Tensor], dim: int) -> Tensor:
 
 def _forward_rows(plan: BlockPlan, qb: Tensor, kc: Tensor, vc: Tensor, mask5: Tensor | None,
                   rows: range) -> tuple[Tensor, Tensor]:
-    """(acc (B, G, R*Tb, Dv), lse (B, G, R*Tb, 1)) of one query block over every visible key block."""
+    """(acc (B, G, R*Tb, Dv), lse (B, G, R*Tb, 1)) of one query block over every visible key block.
+
+    ``mask5`` is the grouped mask (B?, G?, R?, T?, S?), or the 4-d one in a plan with modifiers.
+    """
     acc: Tensor | None = None
     lse = torch.full_like(qb[..., :1], -torch.inf)  # (B, G, R*Tb, 1): nothing seen yet
-    for cols, visibility, empty in _visible_blocks(plan, rows, kc.shape[2], mask5 is not None):
-        s = _scores(plan, qb, kc[:, :, cols.start:cols.stop], mask5, rows, cols, visibility)
+    for cols, visibility, empty, keep in _visible_blocks(plan, rows, kc.shape[2], mask5 is not None):
+        s = _block_scores(plan, qb, kc[:, :, cols.start:cols.stop], mask5, rows, cols, visibility, keep)
         p, lse_b = _block_softmax(s, masked=empty)
         old, new, lse = _merge_weights(lse, lse_b)
         pv = torch.matmul(p, vc[:, :, cols.start:cols.stop])  # (B, G, R*Tb, Sb) @ (B, G, Sb, Dv)
@@ -232,7 +272,7 @@ def block_forward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     """
     b, h, t, _ = q.shape
     g = k.shape[1]
-    kc, vc, mask5 = k.to(plan.compute), v.to(plan.compute), _mask5(mask, g)
+    kc, vc, mask5 = k.to(plan.compute), v.to(plan.compute), _block_mask(plan, mask, g)
     outs, lses = [], []
     for rows in plan.blocks(t, plan.block_q):
         qb = _group(q, g, rows, plan.compute) * plan.scale  # (B, G, R*Tb, D); a new tensor, q untouched
@@ -255,13 +295,23 @@ def block_backward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tenso
     (-inf where it sees none) and ``delta`` (B, H, T) = :func:`softmax_delta`
     of the whole output: with them, the gradients of disjoint key sets add up.
     """
+    dq, dk, dv, _ = block_gradients(plan, q, k, v, mask, dout, lse, delta)
+    return dq, dk, dv
+
+
+def block_gradients(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dout: Tensor,
+                    lse: Tensor, delta: Tensor, captured: tuple[Tensor, ...] = ()
+                    ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
+    """:func:`block_backward`, and the gradients of the tensors ``captured`` by the plan's score modifier
+    (None where a tensor received none)."""
     b, h, t, _ = q.shape
     g = k.shape[1]
-    kc, vc, mask5 = k.to(plan.compute), v.to(plan.compute), _mask5(mask, g)
+    kc, vc, mask5 = k.to(plan.compute), v.to(plan.compute), _block_mask(plan, mask, g)
     lse = lse.masked_fill(lse == -torch.inf, torch.inf)  # a query that sees nothing: weights exp(s - inf) = 0
     dqs: list[Tensor] = []
     dks: list[Tensor | None] = [None] * len(plan.blocks(k.shape[2], plan.block_k))
     dvs: list[Tensor | None] = list(dks)
+    dcaptured: list[Tensor | None] = [None] * len(captured)
     for rows in plan.blocks(t, plan.block_q):
         qb = _group(q, g, rows, plan.compute) * plan.scale  # (B, G, R*Tb, D), scaled
         dob = _group(dout, g, rows, plan.compute)  # (B, G, R*Tb, Dv)
@@ -269,14 +319,22 @@ def block_backward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tenso
         lse_b = lse[:, :, rows.start:rows.stop].reshape(b, g, rt, 1)  # (B, H, Tb) -> (B, G, R*Tb, 1)
         delta_b = delta[:, :, rows.start:rows.stop].reshape(b, g, rt, 1)
         dqb: Tensor | None = None
-        for cols, visibility, empty in _visible_blocks(plan, rows, k.shape[2], mask5 is not None):
+        for cols, visibility, empty, keep in _visible_blocks(plan, rows, k.shape[2], mask5 is not None):
             i = cols.start // plan.block_k
             kb, vb = kc[:, :, cols.start:cols.stop], vc[:, :, cols.start:cols.stop]
-            s = _scores(plan, qb, kb, mask5, rows, cols, visibility)
-            p, block_lse = _block_softmax(s, masked=empty)
-            p = p.mul_(torch.exp(block_lse - lse_b))  # the weights exp(s - lse) of the whole row
+            through = None
+            if plan.mods is None:
+                s = _scores(plan, qb, kb, mask5, rows, cols, visibility)
+                p, block_lse = _block_softmax(s, masked=empty)
+                p = p.mul_(torch.exp(block_lse - lse_b))  # the weights exp(s - lse) of the whole row
+            else:
+                raw = torch.matmul(qb, kb.transpose(-2, -1))  # (B, G, R*Tb, D) @ (B, G, D, Sb) -> (B, G, R*Tb, Sb)
+                mb = None if mask5 is None else _slice(mask5, rows, cols)  # (B?, H?, Tb?, Sb?)
+                p, through = plan.mods.weights(raw, mb, rows, cols, plan.offset, keep, lse_b, captured, dcaptured)
             dv_b = torch.matmul(p.transpose(-2, -1), dob)  # (B, G, Sb, R*Tb) @ (B, G, R*Tb, Dv) -> (B, G, Sb, Dv)
             ds = torch.matmul(dob, vb.transpose(-2, -1)).sub_(delta_b).mul_(p)  # dscore, (B, G, R*Tb, Sb)
+            if through is not None:
+                ds = through(ds)  # d score_mod(s) -> d s
             dk_b = torch.matmul(ds.transpose(-2, -1), qb)  # (B, G, Sb, D); qb carries the scale
             dq_b = torch.matmul(ds, kb)  # (B, G, R*Tb, D)
             dvs[i] = dv_b if dvs[i] is None else dvs[i].add_(dv_b)  # type: ignore[union-attr]
@@ -289,70 +347,104 @@ def block_backward(plan: BlockPlan, q: Tensor, k: Tensor, v: Tensor, mask: Tenso
                for x, c in zip(dks, cols_all, strict=True)], 2)  # (B, G, S, D); zeros where no query looked
     dv = _cat([torch.zeros_like(vc[:, :, c.start:c.stop]) if x is None else x
                for x, c in zip(dvs, cols_all, strict=True)], 2)  # (B, G, S, Dv)
-    return _cat(dqs, 2), dk, dv
+    return _cat(dqs, 2), dk, dv, dcaptured
 
 
 class _ChunkedFunction(torch.autograd.Function):
-    """out = attention(q, k, v) by :func:`block_forward`; backward by :func:`block_backward`.
+    """out = attention(q, k, v) by :func:`block_forward`; backward by :func:`block_gradients`.
 
-    Written for ``torch.func`` (setup_context, a generated vmap rule, no
-    in-place op on an input). Under ``create_graph=True`` (and
-    ``torch.func.grad``) the backward recomputes a dense differentiable
-    forward, so second-order gradients are exact (at O(T * S) memory).
+    Inputs: q, k, v, mask, plan, sinks (H,) or None, then the tensors the
+    plan's score modifier closes over, which receive gradients too. Written
+    for ``torch.func`` (setup_context, a generated vmap rule, no in-place op
+    on an input). Under ``create_graph=True`` (and ``torch.func.grad``) the
+    backward recomputes a dense differentiable forward, so second-order
+    gradients are exact (at O(T * S) memory).
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, plan: BlockPlan) -> tuple[Tensor, Tensor]:
+    def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, plan: BlockPlan, sinks: Tensor | None,
+                *captured: Tensor) -> tuple[Tensor, Tensor]:
         out, lse = block_forward(plan, q, k, v, mask)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
         return out.to(q.dtype), lse
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        q, k, v, mask, plan = inputs
+        q, k, v, mask, plan, sinks, *captured = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.save_for_backward(q, k, v, out, lse, mask, sinks, *captured)
         ctx.plan = plan
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, mask = ctx.saved_tensors
+        q, k, v, out, lse, mask, sinks, *captured = ctx.saved_tensors
         plan: BlockPlan = ctx.plan
+        needed = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph=True: the gradient must itself be differentiable
-            return (*_differentiable_grads(plan, (q, k, v), mask, dout, ctx.needs_input_grad[:3]), None, None)
+            dq, dk, dv, dsinks, *dcaptured = _differentiable_grads(
+                plan, (q, k, v, sinks, *captured), mask, dout, (*needed[:3], *needed[5:]))
+            return dq, dk, dv, None, None, dsinks, *dcaptured
         delta = softmax_delta(dout, out, plan.compute)
-        dq, dk, dv = block_backward(plan, q, k, v, mask, dout, lse, delta)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv, dcaptured = block_gradients(plan, q, k, v, mask, dout, lse, delta, tuple(captured))
+        dsinks = sink_grad(sinks, lse, delta) if sinks is not None and needed[5] else None
+        dcaptured = [None if grad is None else grad.to(x.dtype) for grad, x in zip(dcaptured, captured, strict=True)]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks, *dcaptured
 
 
-def _differentiable_grads(plan: BlockPlan, qkv: tuple[Tensor, Tensor, Tensor], mask: Tensor | None,
+def _differentiable_grads(plan: BlockPlan, inputs: tuple[Tensor | None, ...], mask: Tensor | None,
                           dout: Tensor, needed: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """(dq, dk, dv) with a graph of their own, through the dense forward (None where not needed)."""
-    wanted = [x for x, need in zip(qkv, needed, strict=True) if need]
-    q, k, v = qkv
-    if plan.offset != k.shape[2] - q.shape[2]:
+    """Gradients of (q, k, v, sinks, *captured) with a graph of their own, through the dense forward
+    (None where not needed)."""
+    wanted = [x for x, need in zip(inputs, needed, strict=True) if need and x is not None]
+    q, k, v, sinks = inputs[:4]
+    assert q is not None and k is not None and v is not None
+    if plan.offset != k.shape[2] - q.shape[2] or (plan.mods is not None and plan.mods.key_start != 0):
         raise ValueError(f"the dense path aligns queries bottom-right (offset S - T = {k.shape[2] - q.shape[2]}), "
                          f"got a plan with offset={plan.offset}")
-    call = AttentionCall(q, k, v, mask, plan.causal, plan.window, plan.scale, 0.0)
+    mods = plan.mods
+    call = AttentionCall(q, k, v, mask, plan.causal, plan.window, plan.scale, 0.0,
+                         None if mods is None else mods.score_mod, None if mods is None else mods.mask_mod, sinks)
     with torch.enable_grad():
         out = math_intermediates(call).out  # the math backend, differentiable: one dense reference
-        grads = iter(torch.autograd.grad(out, wanted, dout, create_graph=True))
-    return tuple(next(grads) if need else None for need in needed)
+        grads = iter(torch.autograd.grad(out, wanted, dout, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if need and x is not None else None for x, need in zip(inputs, needed, strict=True))
 
 
 def _plan(call: AttentionCall) -> BlockPlan:
-    return block_plan(call.q, call.num_keys, causal=call.causal, scale=call.scale, offset=call.offset,
-                      window=call.window)
+    if not call.modified:
+        return block_plan(call.q, call.num_keys, causal=call.causal, scale=call.scale, offset=call.offset,
+                          window=call.window)
+    mods = block_mods(call.score_mod, call.visibility_mod(), batch=call.q.shape[0], num_heads=call.num_heads,
+                      q_positions=call.q_positions, kv_positions=call.kv_positions, device=call.q.device)
+    return block_plan(call.q, call.num_keys, causal=False, scale=call.scale, offset=call.offset, mods=mods)
 
 
 def chunked_attention(call: AttentionCall) -> Tensor:
+    """The backend: :func:`block_forward` without gradients, else the autograd Function.
+
+    Under torch.compile, a call with a score modifier that may need gradients
+    takes the dense math path: dynamo traces neither the search for the
+    tensors the modifier closes over nor the backward's per-block autograd.
+    """
     plan = _plan(call)
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (call.q, call.k, call.v))
+    captured: tuple[Tensor, ...] = ()
+    if torch.is_grad_enabled() and plan.mods is not None and plan.mods.score_mod is not None:
+        if torch.compiler.is_compiling():  # dynamo traces neither the recording mode nor autograd.grad
+            return math_intermediates(call).out  # the dense path: differentiable, closures included
+        probe = torch.zeros(call.q.shape[0], call.num_heads, 1, 1, dtype=plan.compute, device=call.q.device)
+        captured = captured_tensors(plan.mods.score_mod, probe, plan.mods, plan.offset)
+    inputs = (call.q, call.k, call.v, *captured, *(() if call.sinks is None else (call.sinks,)))
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
     if not needs_grad:
-        return block_forward(plan, call.q, call.k, call.v, call.mask)[0].to(call.q.dtype)
-    return _ChunkedFunction.apply(call.q, call.k, call.v, call.mask, plan)[0]
+        out, lse = block_forward(plan, call.q, call.k, call.v, call.mask)
+        if call.sinks is not None:
+            out, _ = add_sinks(out, lse, call.sinks)
+        return out.to(call.q.dtype)
+    return _ChunkedFunction.apply(call.q, call.k, call.v, call.mask, plan, call.sinks, *captured)[0]
 
 
 def _why_not(call: AttentionCall) -> str | None:

@@ -3,6 +3,11 @@
 Memory is O(B * H * T * S). Half-precision inputs are computed in float32.
 A query with no visible key gets weight 0 on every key and output 0.
 
+Modifiers are evaluated densely: the score modifier on the whole (B, H, T, S)
+scores, then the masks (the call's own, the band and the mask modifier, as
+one visibility); learned sinks are one more key per head, with score sinks[h]
+and value 0, so a row's weights sum to less than 1.
+
 Legend: B batch, H query heads, G key/value heads, T queries, S keys, D head dim.
 """
 
@@ -14,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.functional import expand_kv
+from attnkit.functional import combine_masks, expand_kv
 
 from .call import AttentionCall, compute_dtype
+from .modifiers import apply_mask_mod, apply_score_mod, index_grid
 from .registry import Backend, register
 
 
@@ -25,6 +31,8 @@ def masked_scores(call: AttentionCall) -> Tensor:
     compute = compute_dtype(call.q.dtype)
     k = expand_kv(call.k, call.num_heads).to(compute)  # (B, G, S, D) -> (B, H, S, D)
     scores = (call.q.to(compute) @ k.transpose(-2, -1)) * call.scale  # (B, H, T, D) @ (B, H, D, S) -> (B, H, T, S)
+    if call.modified:
+        return _modified_scores(call, scores)
     mask = call.dense_mask()
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, -torch.inf)
@@ -33,8 +41,30 @@ def masked_scores(call: AttentionCall) -> Tensor:
     return scores
 
 
-def softmax_rows(scores: Tensor) -> Tensor:
-    """Softmax over keys; a row with no visible key (all -inf) gets weights 0, not NaN."""
+def _modified_scores(call: AttentionCall, scores: Tensor) -> Tensor:
+    """score_mod on the scaled scores, then every mask: the call's, the band and mask_mod (-inf where hidden)."""
+    idx = index_grid(scores.shape[0], call.num_heads, call.q_positions, call.kv_positions, scores.device)
+    if call.score_mod is not None:
+        scores = apply_score_mod(call.score_mod, scores, idx)
+    if call.mask is not None and call.mask.dtype != torch.bool:
+        scores = scores + call.mask.to(scores.dtype)
+    keep = call.mask if call.mask is not None and call.mask.dtype == torch.bool else None
+    visibility = call.visibility_mod()
+    if visibility is not None:
+        keep = combine_masks(keep, apply_mask_mod(visibility, idx))  # broadcasts to (B, H, T, S)
+    return scores if keep is None else scores.masked_fill(~keep, -torch.inf)
+
+
+def softmax_rows(scores: Tensor, sinks: Tensor | None = None) -> Tensor:
+    """Softmax over keys; a row with no visible key (all -inf) gets weights 0, not NaN.
+
+    ``sinks`` (H,): one more key per head with that score and no value, whose
+    weight is dropped (the row's weights then sum to less than 1).
+    """
+    if sinks is not None:
+        b, h, t, _ = scores.shape
+        sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, t, 1)  # (H,) -> (B, H, T, 1)
+        return softmax_rows(torch.cat([scores, sink], dim=-1))[..., :-1]  # (B, H, T, S + 1) -> (B, H, T, S)
     empty = scores.amax(dim=-1, keepdim=True) == -torch.inf  # (B, H, T, 1)
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)  # finite softmax there...
     return weights.masked_fill(empty, 0.0)  # ...then zeroed
@@ -44,8 +74,9 @@ def softmax_rows(scores: Tensor) -> Tensor:
 class Intermediates:
     """What the math backend computed for one call, for tracing (see :func:`attnkit.trace`).
 
-    ``scores`` are what softmax received (scaled, -inf where a key was
-    blocked) and ``weights`` its result, both in the compute dtype (float32
+    ``scores`` are what softmax received (scaled, modified by a score
+    modifier, -inf where a key was blocked) and ``weights`` its result (with
+    learned sinks, rows sum to less than 1), both in the compute dtype (float32
     for half-precision inputs); ``out`` is (dropped-out) weights @ values in
     q's dtype, before any caller merges the heads.
     """
@@ -58,7 +89,7 @@ class Intermediates:
 def math_intermediates(call: AttentionCall) -> Intermediates:
     """Every step of the reference computation; weights are taken before dropout."""
     scores = masked_scores(call)
-    weights = softmax_rows(scores)
+    weights = softmax_rows(scores, call.sinks)
     dropped = F.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     v = expand_kv(call.v, call.num_heads).to(weights.dtype)  # (B, G, S, Dv) -> (B, H, S, Dv)
     out = dropped @ v  # (B, H, T, S) @ (B, H, S, Dv) -> (B, H, T, Dv)

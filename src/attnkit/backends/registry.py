@@ -41,8 +41,11 @@ def needs_dense_band(call: AttentionCall) -> bool:
 
     A sliding window, causal queries that are not the whole sequence
     (1 < T != S), or causal queries with a mask (SDPA takes ``is_causal`` or a
-    mask, not both) cannot be expressed to SDPA without one.
+    mask, not both) cannot be expressed to SDPA without one; nor can score or
+    mask modifiers or learned sinks.
     """
+    if call.modified or call.sinks is not None:
+        return True
     if call.band_hides_nothing():
         return False
     several = call.num_queries > 1

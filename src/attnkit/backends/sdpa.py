@@ -15,7 +15,12 @@ What this adapter adds over calling SDPA directly:
   T = S = 1024 call and 7 µs of a 90 µs decoding call) and fills the rows;
 - grouped-query heads: one decoding query per head is folded into the
   key/value heads (no copy); longer queries expand the key/value heads, which
-  measured faster than ``enable_gqa`` on CPU.
+  measured faster than ``enable_gqa`` on CPU;
+- modifiers: a mask modifier and an additive score modifier (one with a
+  ``bias``, such as ``alibi``) become one dense float mask, when (T, S) is at
+  most :data:`DENSE_BAND_LIMIT`; other score modifiers are refused;
+- learned sinks: one more key per key/value head, zero key and value, whose
+  mask entry is sinks[h]: the same softmax denominator, seen by every query.
 
 Legend: B batch, H query heads, G key/value heads, R = H // G, T queries,
 S keys, D head dim.
@@ -28,14 +33,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.functional import expand_kv
+from attnkit.functional.modifiers import modifier_name
 
 from .call import AttentionCall
-from .registry import Backend, register
+from .modifiers import additive_bias
+from .registry import DENSE_BAND_LIMIT, Backend, register
 
 
 def _mask_and_flag(call: AttentionCall) -> tuple[Tensor | None, bool]:
     """The attn_mask to pass and whether to pass is_causal=True."""
     t, s = call.num_queries, call.num_keys
+    if call.modified or call.sinks is not None:
+        return call.dense_mask(), False
     if call.band_hides_nothing():  # not causal, or one decoding query with no window: no band at all
         return call.mask, False
     if call.mask is None and call.window is None and call.causal and t == s:
@@ -61,9 +70,28 @@ def _propagate_nan(q: Tensor, out: Tensor) -> Tensor:
     return out
 
 
+def _sink_key(call: AttentionCall, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(k, v, mask) with one more key: zero key and value, mask entry sinks[h] (float mask (B?, H, T, S + 1))."""
+    assert call.sinks is not None
+    b, h, t, _ = call.q.shape
+    zero = call.k.new_zeros(b, call.num_kv_heads, 1, 1)
+    k = torch.cat([call.k, zero.expand(-1, -1, -1, call.k.shape[-1])], dim=2)  # (B, G, S, D) -> (B, G, S + 1, D)
+    v = torch.cat([call.v, zero.expand(-1, -1, -1, call.v.shape[-1])], dim=2)  # (B, G, S, Dv) -> (B, G, S + 1, Dv)
+    if mask is None:
+        mask = call.q.new_zeros(1, 1, t, call.num_keys)
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=call.q.dtype, device=mask.device).masked_fill(~mask, -torch.inf)
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # a (T, S) band -> (1, 1, T, S)
+    mask = mask.expand(mask.shape[0], h, t, call.num_keys)  # (B?, H?, T?, S) -> (B?, H, T, S)
+    sink = call.sinks.to(mask.dtype).view(1, h, 1, 1).expand(mask.shape[0], h, t, 1)  # (H,) -> (B?, H, T, 1)
+    return k, v, torch.cat([mask, sink], dim=-1)  # (B?, H, T, S + 1)
+
+
 def sdpa_attention(call: AttentionCall) -> Tensor:
     q, k, v = call.q, call.k, call.v
     mask, is_causal = _mask_and_flag(call)
+    if call.sinks is not None:
+        k, v, mask = _sink_key(call, mask)
     empty = None
     if mask is not None and call.may_have_empty_rows():
         mask, empty = _open_empty_rows(mask)
@@ -83,4 +111,15 @@ def sdpa_attention(call: AttentionCall) -> Tensor:
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 
-register(Backend(name="sdpa", run=sdpa_attention))
+def _why_not(call: AttentionCall) -> str | None:
+    if call.score_mod is not None and additive_bias(call.score_mod) is None:
+        return (f"it applies a score_mod only as an additive bias (a ScoreModifier with a bias, such as alibi), "
+                f"and {modifier_name(call.score_mod)} is not one; use 'chunked' or 'math'")
+    pairs = call.num_queries * call.num_keys
+    if (call.modified or call.sinks is not None) and pairs > DENSE_BAND_LIMIT:
+        return (f"its modifiers or sinks would need a dense (T, S) = ({call.num_queries}, {call.num_keys}) mask, more "
+                f"than DENSE_BAND_LIMIT = {DENSE_BAND_LIMIT} pairs; use 'chunked'")
+    return None
+
+
+register(Backend(name="sdpa", run=sdpa_attention, why_not=_why_not))
