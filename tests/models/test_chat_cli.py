@@ -41,7 +41,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 def model(tiny: str) -> Any:
     from attnkit.models import load_gguf
 
-    return load_gguf(tiny)
+    return load_gguf(tiny, weights="auto")  # the form the command loads by default
 
 
 def _typing(monkeypatch: pytest.MonkeyPatch, lines: Sequence[str | type[BaseException]]) -> None:

@@ -27,7 +27,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _expected(path: str, prompt: str, n: int) -> str:
     from attnkit.models import load_gguf
 
-    model = load_gguf(path)
+    model = load_gguf(path, weights="auto")  # the form the command loads by default
     ids = model.tokenize(prompt)["input_ids"]
     return model.decode(model.generate(ids, max_new_tokens=n)[0, ids.shape[1] :])
 
@@ -88,7 +88,7 @@ def test_chat_keeps_the_conversation_and_resets(tiny: str, capsys: pytest.Captur
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
     assert main(["chat", "--gguf", tiny, "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out.split("\n")
-    model = load_gguf(tiny)
+    model = load_gguf(tiny, weights="auto")
 
     def answer(messages: list[dict[str, str]]) -> str:
         ids = model.tokenize(model.chat_prompt(messages))["input_ids"]

@@ -11,22 +11,31 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import MultiHeadAttention
 from attnkit import textbook as tb
+from attnkit.functional import RotaryEmbedding
+from attnkit.functional.norm import QKNorm, RMSNorm
+from attnkit.modules.heads import Heads
 from tests._reference import reference_attention
 
 BACKENDS = ["math", "sdpa", "chunked"]
 
 
-def rope_reference(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def rope_reference(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Half-split rotary embedding as complex multiplication (independent of attnkit)."""
     d = x.shape[-1]
-    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     z = torch.complex(x[..., : d // 2], x[..., d // 2 :]) * torch.polar(
         torch.ones_like(theta), positions.double()[:, None] * theta)
     return torch.cat([z.real, z.imag], dim=-1)
 
 
-def layer_reference(layer: MultiHeadAttention, x: torch.Tensor, key_mask=None, attn_mask=None) -> torch.Tensor:
-    """The layer's function from its weights: fused rows are queries, then keys, then values."""
+def rms_reference(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+
+
+def layer_reference(layer: MultiHeadAttention, x: torch.Tensor, key_mask=None, attn_mask=None,
+                    scale: float | None = None) -> torch.Tensor:
+    """The layer's function from its weights: fused rows are queries, then keys, then values; q and k normalised
+    per head (an RMSNorm each) before the rotation; scores scaled by ``scale`` (None: 1 / sqrt(D))."""
     b, t, _ = x.shape
     h, g, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
     w, bias = layer.qkv_proj.weight.double(), layer.qkv_proj.bias
@@ -34,35 +43,51 @@ def layer_reference(layer: MultiHeadAttention, x: torch.Tensor, key_mask=None, a
     q = y[..., : h * d].reshape(b, t, h, d).transpose(1, 2)
     k = y[..., h * d : (h + g) * d].reshape(b, t, g, d).transpose(1, 2)
     v = y[..., (h + g) * d :].reshape(b, t, g, d).transpose(1, 2)
+    if layer.qk_norm is not None:
+        q, k = rms_reference(q, layer.qk_norm.q_norm), rms_reference(k, layer.qk_norm.k_norm)
     if layer.rope is not None:
-        q, k = rope_reference(q, torch.arange(t)), rope_reference(k, torch.arange(t))
+        base = layer.rope.base
+        q, k = rope_reference(q, torch.arange(t), base), rope_reference(k, torch.arange(t), base)
     mask = None if key_mask is None else key_mask[:, None, None, :]
     if attn_mask is not None:
         mask = attn_mask if mask is None else mask & attn_mask
-    out, _ = reference_attention(q, k, v, mask=mask, causal=layer.causal, window=layer.window)
+    out, _ = reference_attention(q, k, v, mask=mask, causal=layer.causal, window=layer.window, scale=scale)
     out = out.transpose(1, 2).reshape(b, t, h * d) @ layer.out_proj.weight.double().T
     return out if layer.out_proj.bias is None else out + layer.out_proj.bias.double()
 
 
 @st.composite
 def layer_configs(draw):
+    """Layers as before, and (own_size) Gemma-like ones: Heads with a head size of its own (H * D != d_out), a
+    given scale, a q/k norm and a rotary base of their own."""
     g, r, d = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.sampled_from([2, 4, 6]))
     causal = draw(st.booleans())
-    return dict(
+    config = dict(
         d_in=draw(st.integers(1, 7)), d_out=g * r * d, num_heads=g * r, num_kv_heads=g, causal=causal,
         qkv_bias=draw(st.booleans()), out_bias=draw(st.booleans()), rope=draw(st.booleans()),
         window=draw(st.one_of(st.none(), st.integers(1, 4))) if causal else None,
     )
+    if draw(st.booleans()):
+        scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0)))
+        config |= dict(d_out=draw(st.integers(1, 9)), num_kv_heads=None,
+                       num_heads=Heads(g * r, num_kv_heads=g, head_dim=d, scale=scale),
+                       qk_norm=QKNorm(RMSNorm(d, eps=1e-6), RMSNorm(d, eps=1e-6)) if draw(st.booleans()) else None,
+                       rope=RotaryEmbedding(d, base=draw(st.sampled_from([1e4, 1e6]))) if config["rope"] else False)
+    return config
 
 
 @given(config=layer_configs(), t=st.integers(1, 8), padded=st.booleans(), seed=st.integers(0, 2**16))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 def test_every_backend_computes_the_layers_function(config, t, padded, seed):
     torch.manual_seed(seed)
     layer = MultiHeadAttention(**config).double()
+    if layer.qk_norm is not None:  # weights of ones would hide a norm applied to the wrong tensor
+        for weight in layer.qk_norm.parameters():
+            torch.nn.init.uniform_(weight, 0.5, 1.5)
     x = torch.randn(2, t, config["d_in"], dtype=torch.float64)
     key_mask = (torch.rand(2, t) > 0.3) if padded else None
-    expected = layer_reference(layer, x, key_mask=key_mask)
+    heads = config["num_heads"]
+    expected = layer_reference(layer, x, key_mask=key_mask, scale=heads.scale if isinstance(heads, Heads) else None)
     for backend in BACKENDS:
         layer.backend = backend
         torch.testing.assert_close(layer(x, key_mask=key_mask), expected, atol=1e-10, rtol=1e-9)
@@ -260,3 +285,94 @@ def test_a_backend_that_is_neither_a_name_nor_a_kernel_is_refused_naming_what_it
         layer(torch.randn(1, 2, 8))
     with pytest.raises(TypeError, match=r"forward\(parallel=\.\.\.\) was removed: .*backend=ContextParallel"):
         MultiHeadAttention(8, 8, 2)(torch.randn(1, 2, 8), parallel=_PlacingKernel(None))
+
+
+def test_heads_of_their_own_size_project_to_d_out():
+    """Gemma 3 270M's layer: 4 query heads of 256 over 1 key/value head, in and out of a 640-wide model."""
+    layer = MultiHeadAttention(640, 640, Heads(4, num_kv_heads=1, head_dim=256), out_bias=False)
+    assert (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale) == (4, 1, 256, 1 / 16)
+    assert (layer.qkv_proj.in_features, layer.qkv_proj.out_features) == (640, (4 + 2) * 256)
+    assert (layer.out_proj.in_features, layer.out_proj.out_features) == (1024, 640)
+    assert layer(torch.randn(2, 3, 640)).shape == (2, 3, 640)
+    assert layer.heads == Heads(4, 1, 256, 1 / 16)  # every default filled in
+    assert "head_dim=256" in repr(layer) and "scale" not in repr(layer)  # 1/sqrt(256) is the default
+
+
+def test_a_scale_of_its_own_reaches_every_kernel_and_the_weights():
+    """The scale must reach the backends, a kernel component and the returned weights alike."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 8, Heads(2, head_dim=4, scale=0.9)).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    expected = layer_reference(layer, x, scale=0.9)
+    assert not torch.allclose(expected, layer_reference(layer, x))  # 0.9 is not the default 1/sqrt(4)
+    q, k, v = layer.project(x)
+    _, expected_weights = reference_attention(q, k, v, causal=True, scale=0.9)
+    for backend in BACKENDS:
+        layer.backend = backend
+        torch.testing.assert_close(layer(x), expected)
+    layer.backend = "auto"
+    out, weights = layer(x, need_weights=True)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(weights, expected_weights)
+    kernel = _PlacingKernel(None)
+    layer.backend = kernel
+    torch.testing.assert_close(layer(x), expected)
+    assert kernel.calls == 1 and "scale=0.9" in repr(layer)
+
+
+def test_the_qk_norm_is_applied_per_head_before_the_rotation():
+    """Normalising after the rotation, or over all heads at once, gives other queries: the reference normalises
+    each head's D dimensions, then rotates."""
+    torch.manual_seed(0)
+    norm = QKNorm(RMSNorm(4, eps=1e-6), RMSNorm(4, eps=1e-6))
+    for weight in norm.parameters():
+        torch.nn.init.uniform_(weight, 0.5, 1.5)
+    layer = MultiHeadAttention(8, 6, Heads(3, num_kv_heads=1, head_dim=4), rope=True, qk_norm=norm).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), layer_reference(layer, x), atol=1e-12, rtol=1e-12)
+    unweighted = MultiHeadAttention(8, 6, Heads(3, num_kv_heads=1, head_dim=4),
+                                    qk_norm=QKNorm(RMSNorm(4, eps=0.0), RMSNorm(4, eps=0.0))).double()
+    q, k, _ = unweighted.project(x)
+    torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(2, 3, 5, dtype=torch.float64))  # each head: RMS 1
+    torch.testing.assert_close(k.pow(2).mean(-1), torch.ones(2, 1, 5, dtype=torch.float64))
+
+
+def test_a_layer_with_a_qk_norm_built_on_meta_resets_its_norm_too():
+    layer = MultiHeadAttention(8, 8, Heads(2, head_dim=6), qk_norm=QKNorm(RMSNorm(6, eps=1e-6),
+                                                                           RMSNorm(6, eps=1e-6)), device="meta")
+    layer = layer.to_empty(device="cpu")
+    for weight in layer.qk_norm.parameters():
+        weight.data.fill_(float("nan"))
+    layer.reset_parameters()
+    torch.testing.assert_close(layer.qk_norm.q_norm.weight, torch.ones(6))
+    assert torch.isfinite(layer(torch.randn(1, 3, 8))).all()
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: MultiHeadAttention(8, 8, Heads(2, num_kv_heads=1), num_kv_heads=1),
+     r"num_kv_heads=1 given beside Heads\(.*give it once, inside Heads"),
+    (lambda: MultiHeadAttention(8, 10, 4), r"d_out=10 is not divisible by num_heads=4 \(or give head_dim"),
+    (lambda: Heads(2, head_dim=0), r"head_dim must be a positive int, got head_dim=0"),
+    (lambda: Heads(2, scale=0.0), r"scale must be a finite number > 0 .*got scale=0.0"),
+    (lambda: Heads(4, num_kv_heads=3), r"num_heads=4 is not a multiple of num_kv_heads=3"),
+    (lambda: MultiHeadAttention(8, 8, Heads(2, head_dim=6), rope=RotaryEmbedding(4)),
+     r"rope has head_dim=4 but this layer's head_dim is 6"),
+    (lambda: MultiHeadAttention(8, 8, 2, qk_norm=torch.nn.functional.normalize),
+     r"qk_norm must be an nn.Module whose forward\(q, k\) returns \(q, k\)"),
+])
+def test_bad_heads_are_refused_by_name(make, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        make()
+
+
+@pytest.mark.parametrize(("layer", "problem"), [
+    (MultiHeadAttention(8, 8, Heads(2, head_dim=6)), r"heads of their own size \(num_heads \* head_dim = 2 \* 6"),
+    (MultiHeadAttention(8, 8, Heads(2, scale=0.1)), r"a scale of its own \(scale=0.1"),
+    (MultiHeadAttention(8, 8, 2, qk_norm=QKNorm(RMSNorm(4, eps=1e-6), RMSNorm(4, eps=1e-6))),
+     r"a norm of queries and keys \(QKNorm\)"),
+    (attnkit.CrossAttention(8, 8, Heads(2, head_dim=3), d_context=8), r"heads of their own size"),
+])
+def test_to_torch_refuses_what_torch_cannot_express(layer, problem):
+    """torch.nn.MultiheadAttention would silently compute another function (no norm, 1/sqrt(D) scale)."""
+    with pytest.raises(ValueError, match=r"torch.nn.MultiheadAttention has no equivalent of " + problem):
+        layer.to_torch()

@@ -122,6 +122,15 @@ def test_a_quantized_model_generates_the_greedy_answer_of_float32() -> None:
                        smollm2().generate(ids, max_new_tokens=12, stop_ids=[]))
 
 
+def test_float32_leaves_any_model_as_it_is_and_int8_skips_widths_its_kernel_gets_wrong() -> None:
+    from attnkit.modules.quantize import Int8Linear, quantize
+
+    half = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
+    assert quantize(half, "float32") is half and half[0].weight.dtype == torch.bfloat16
+    model = quantize(nn.Sequential(nn.Linear(24, 16), nn.Linear(16, 16)), "int8")
+    assert type(model[0]) is nn.Linear and isinstance(model[1], Int8Linear)
+
+
 def test_bad_forms_twice_and_training_are_refused() -> None:
     from attnkit.models import LlamaConfig, LlamaModel
     from attnkit.modules.quantize import quantize, weight_form
@@ -153,6 +162,9 @@ def test_packed_layers_refuse_backward_and_wrong_widths(form: str) -> None:
         y.sum().backward()  # ... and a backward through it says why it cannot
     with pytest.raises(ValueError, match=r"expected input \(\.\.\., 32\), got \(2, 31\)"):
         layer(torch.randn(2, 31))
+    if form == "int8":
+        with pytest.raises(ValueError, match=r"multiples of 16 .*, got in_features=24"):
+            Int8Linear(torch.randn(16, 24))  # the kernel's product is wrong there: never built
     if form == "int4":
         with pytest.raises(ValueError, match=r"groups of 32 .* got in_features=40, out_features=16"):
             Int4Linear(torch.randn(16, 40))
@@ -211,3 +223,29 @@ def test_the_compiled_decode_step_captures_packed_layers() -> None:
         eager = model.generate(ids, max_new_tokens=6, stop_ids=[])
         compiled = model.generate(ids, max_new_tokens=6, stop_ids=[], compile=True)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_the_default_form_is_the_fastest_of_the_forms_measured_accurate_for_the_model(monkeypatch) -> None:
+    """int4 first where bfloat16 is native, else float16; never a form the model's accuracy measurement excluded."""
+    import attnkit.modules.quantize as q
+
+    monkeypatch.setattr(q, "available_forms", lambda: q.WEIGHT_FORMS)
+    monkeypatch.setattr(q, "has_fast_bfloat16", lambda: True)
+    assert q.default_form() == "int4"
+    assert q.default_form(("float32", "float16")) == "float16"  # Gemma 3's: int4 and int8 miss the bar there
+    assert q.resolve_form("auto", ("float32",)) == "float32" and q.resolve_form("int8", ("float32",)) == "int8"
+    monkeypatch.setattr(q, "has_fast_bfloat16", lambda: False)
+    assert q.default_form() == "float16"
+    monkeypatch.setattr(q, "available_forms", lambda: ("float32", "int8"))  # no fbgemm: no float16, no int4 head
+    assert q.default_form(("float32", "float16", "int4")) == "float32"
+
+
+def test_load_gguf_auto_picks_by_the_architectures_measured_forms(tmp_path) -> None:
+    from attnkit.models import LlamaModel, load_gguf
+    from attnkit.modules.quantize import default_form, weight_form
+    from tests.models._decoder import write_tiny_llama
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, context=32)
+    model = load_gguf(path, weights="auto")
+    assert weight_form(model) == default_form(LlamaModel.accurate_forms)

@@ -254,8 +254,13 @@ def check_options(*, causal: object, window: object, dropout_p: object, dropout_
 
 
 def check_scale(scale: object) -> None:
-    """None (1 / sqrt(D)) or a positive finite number that needs no gradient; else raise."""
-    if scale is None:
+    """None (1 / sqrt(D)) or a positive finite number that needs no gradient; else raise.
+
+    Not re-checked inside a compiled graph: after recompiles dynamo may trace
+    a layer's float scale as a symbolic float, which ``math.isfinite`` cannot
+    read (a layer checks its scale when it is built: attnkit.modules.heads.Heads).
+    """
+    if scale is None or torch.compiler.is_compiling():
         return
     if isinstance(scale, Tensor) and scale.requires_grad:
         raise TypeError("scale must be a number, not a tensor that requires grad (its gradient would be lost); "

@@ -25,10 +25,13 @@ from .modifiers import (
     sliding_window,
     softcap,
 )
+from .norm import QKNorm, RMSNorm
 from .rope import RotaryEmbedding, rotate_half
 
 __all__ = [
     "MaskModifier",
+    "QKNorm",
+    "RMSNorm",
     "RotaryEmbedding",
     "ScoreModifier",
     "Visibility",

@@ -24,6 +24,9 @@ SEEDS = (-(2**63), 2**64 - 1)  # the range torch.manual_seed takes
 # The decoder's cap: its attention records (scores and weights, (1, 9, T, T) float32 each, in each of 30 layers)
 # take 2 * 30 * 9 * 4 = 2160 bytes x T^2: 0.57 GB at 512 tokens, 2.3 GB at 1024, 145 GB at its 8192-token context.
 SMOLLM2_MAX_TOKENS = 512
+# Gemma 3 270M's records take 2 * 18 layers * 4 heads * 4 bytes = 576 bytes x T^2: 0.6 GB at 1024 tokens, enough
+# to see its local layers' 512-token window slide.
+GEMMA3_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def _run_smollm2(text: str, truncate: bool) -> _Traced:
     from attnkit.models import load_smollm2
 
     model = load_smollm2()
-    ids, total = _capped_ids(model, text, truncate)  # (1, T), and the text's length in tokens
+    ids, total = _capped_ids(model, text, truncate, "SmolLM2", SMOLLM2_MAX_TOKENS)  # (1, T), and the text's length
     tokens = tuple(model.decode([i], skip_special_tokens=False) for i in ids[0].tolist())
     with trace(model) as recorded:
         model(ids)
@@ -109,9 +112,25 @@ def _run_smollm2(text: str, truncate: bool) -> _Traced:
                    "byte-level BPE tokens", recorded, cut)
 
 
-def _capped_ids(model: Any, text: str, truncate: bool) -> tuple[Tensor, int]:
-    """The text's ids (1, T), at most :data:`SMOLLM2_MAX_TOKENS` (cut with a warning if ``truncate``, else
-    refused), and how many tokens the whole text has.
+def _run_gemma3(text: str, truncate: bool) -> _Traced:
+    from attnkit.models import load_gemma3
+
+    model = load_gemma3()
+    ids, total = _capped_ids(model, text, truncate, "Gemma 3", GEMMA3_MAX_TOKENS)  # (1, T), and the text's length
+    tokens = tuple(model.decode([i], skip_special_tokens=False) for i in ids[0].tolist())
+    with trace(model) as recorded:
+        model(ids)
+    c = model.config
+    kinds = ", ".join(str(i) for i in range(c.num_layers) if c.is_global(i))
+    cut = model.decode(ids[0], skip_special_tokens=False) + " ..." if ids.shape[1] < total else None
+    return _Traced("Gemma 3", f"Gemma 3 270M ({c.num_layers} layers x {c.num_heads} heads of {c.head_dim} over "
+                   f"{c.num_kv_heads} key/value head, hidden {c.d_model}; layers {kinds} global, the others a "
+                   f"{c.window}-token window) on attnkit layers", tokens, "SentencePiece tokens", recorded, cut)
+
+
+def _capped_ids(model: Any, text: str, truncate: bool, name: str, cap: int) -> tuple[Tensor, int]:
+    """The text's ids (1, T), at most ``cap`` (cut with a warning if ``truncate``, else refused), and how many
+    tokens the whole text has.
 
     Encoded without the tokenizer's context check, so that --truncate cuts a text longer than the context too.
     """
@@ -120,21 +139,21 @@ def _capped_ids(model: Any, text: str, truncate: bool) -> tuple[Tensor, int]:
     from attnkit.models.tokenizer import GGUFTokenizer
 
     if not isinstance(model.tokenizer, GGUFTokenizer):
-        raise TypeError(f"SmolLM2's tokenizer should be a GGUFTokenizer, got {type(model.tokenizer).__name__}")
+        raise TypeError(f"{name}'s tokenizer should be a GGUFTokenizer, got {type(model.tokenizer).__name__}")
     ids = model.tokenizer.encode(text)
     if not ids:
         raise ValueError(f"the text {text!r} tokenizes to nothing: give at least one character")
-    cap = min(SMOLLM2_MAX_TOKENS, model.context_length)
+    cap = min(cap, model.context_length)
     if len(ids) > cap:
         if not truncate:
-            raise ValueError(f"the text is {len(ids)} tokens; attnkit explain shows SmolLM2 on at most {cap} "
+            raise ValueError(f"the text is {len(ids)} tokens; attnkit explain shows {name} on at most {cap} "
                              f"(the attention records of more would not fit in memory): pass --truncate to cut "
                              f"it to its first {cap} tokens")
-        warnings.warn(f"text of {len(ids)} tokens truncated to SmolLM2's first {cap} (--truncate)", stacklevel=3)
+        warnings.warn(f"text of {len(ids)} tokens truncated to {name}'s first {cap} (--truncate)", stacklevel=3)
     return torch.tensor([ids[:cap]], dtype=torch.long), len(ids)  # (1, T)
 
 
-_RUNNERS = {"minilm": _run_minilm, "smollm2": _run_smollm2}
+_RUNNERS = {"minilm": _run_minilm, "smollm2": _run_smollm2, "gemma3": _run_gemma3}
 MODELS = tuple(_RUNNERS)
 
 

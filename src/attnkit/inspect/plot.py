@@ -2,7 +2,9 @@
 
 - :func:`plot_heads`: one panel per head, query tokens down, key tokens
   across, one colour bar;
-- :func:`plot_model_view`: a grid of small heatmaps, layers x heads.
+- :func:`plot_model_view`: a grid of small heatmaps, layers x heads;
+- :func:`plot_side_by_side`: a few whole-text heatmaps in a row (long texts:
+  no token labels), optionally on a log scale where exactly 0 shows white.
 
 Figures are built with matplotlib's object API on the Agg canvas: no pyplot
 state, no display needed. ``fig.savefig(path)`` writes them. Tokens, titles
@@ -19,6 +21,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from attnkit._optional import require
@@ -122,4 +125,43 @@ def plot_model_view(weights: Tensor, tokens: Sequence[str], *, title: str | None
     fig.supxlabel("each heatmap: queries down, keys across", fontsize=8)
     if title:
         fig.suptitle(_plain(title), wrap=True)  # wrapped to the figure's width: a long title is never cut
+    return fig
+
+
+LOG_FLOOR = 1e-4  # the log colour scale starts here; weights below are its darkest colour, exact zeros white
+
+
+def plot_side_by_side(weights: Tensor, names: Sequence[str], *, title: str | None = None, log: bool = False,
+                      size: float = 3.2) -> Any:
+    """Heatmaps of ``weights`` (N, T, S) in a row, ``size`` inches each, titled by ``names``; no token labels.
+
+    For whole texts of hundreds of tokens, e.g. two layers' weights averaged
+    over their heads. ``log``: colours by the weight's logarithm from
+    :data:`LOG_FLOOR` to 1, and a weight of exactly 0 (a key the query cannot
+    see) in white, so a window's edge shows however little weight lies near it.
+    """
+    w = _check_weights(weights, 3, "weights (N, T, S)")
+    count = w.shape[0]
+    labels = [_plain(n) for n in names]
+    if len(labels) != count:
+        raise ValueError(f"{len(labels)} names for {count} heatmaps")
+    colors = require("matplotlib.colors", FEATURE)
+    cmap = require("matplotlib", FEATURE).colormaps["viridis"].with_extremes(bad="white")
+    norm = colors.LogNorm(vmin=LOG_FLOOR, vmax=1.0, clip=True) if log else colors.Normalize(vmin=0.0, vmax=1.0)
+    fig = new_figure(size * count + 1.2, size + (0.9 if title else 0.5))
+    axes = fig.subplots(1, count, squeeze=False)
+    image = None
+    for panel, (ax, label) in enumerate(zip(axes.flat, labels, strict=True)):
+        data = w[panel].numpy()
+        shown = np.ma.masked_equal(data, 0.0) if log else data  # exact zeros: the "bad" colour
+        image = ax.imshow(shown, cmap=cmap, norm=norm, interpolation="nearest")
+        ax.set_title(label, fontsize=9, wrap=True)
+        ax.set_xlabel("keys (position)", fontsize=8)
+        if panel == 0:
+            ax.set_ylabel("queries (position)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    scale = " (log scale; white: exactly 0)" if log else ""
+    fig.colorbar(image, ax=axes, shrink=0.8, label=f"attention weight{scale}")
+    if title:
+        fig.suptitle(_plain(title), wrap=True)
     return fig

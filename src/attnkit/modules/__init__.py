@@ -3,7 +3,8 @@
 from .attention import MultiHeadAttention
 from .convert import from_textbook, from_torch, to_torch
 from .cross import CrossAttention
+from .heads import Heads
 from .kv_cache import Cache, KVCache, StaticKVCache
 
-__all__ = ["Cache", "CrossAttention", "KVCache", "MultiHeadAttention", "StaticKVCache", "from_textbook",
+__all__ = ["Cache", "CrossAttention", "Heads", "KVCache", "MultiHeadAttention", "StaticKVCache", "from_textbook",
            "from_torch", "to_torch"]

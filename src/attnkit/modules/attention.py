@@ -1,7 +1,8 @@
 """The production multi-head self-attention layer.
 
 Notation (shape comments): B batch, T queries, S keys (T + cached positions),
-H query heads, G key/value heads, D head dim, C = H * D = d_out.
+H query heads, G key/value heads, D head dim, C = H * D (= d_out unless
+:class:`Heads` gives D).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from attnkit.backends.kernel import Kernel, KernelRequest, check_kernel
 from attnkit.functional import RotaryEmbedding, position_mask
 
-from .heads import AttentionHeads, factory_kwargs
+from .heads import AttentionHeads, Heads, factory_kwargs
 from .kv_cache import Cache, CachedKeys, check_cache, check_positions, transaction
 
 
@@ -28,6 +29,13 @@ def _make_rope(rope: bool | RotaryEmbedding, head_dim: int) -> RotaryEmbedding |
     return RotaryEmbedding(head_dim) if rope else None
 
 
+def _check_qk_norm(qk_norm: object) -> nn.Module | None:
+    if qk_norm is not None and not isinstance(qk_norm, nn.Module):
+        raise TypeError(f"qk_norm must be an nn.Module whose forward(q, k) returns (q, k), such as "
+                        f"attnkit.functional.norm.QKNorm(q_norm, k_norm); got {type(qk_norm).__name__}")
+    return qk_norm
+
+
 class MultiHeadAttention(AttentionHeads):
     """Multi-head self-attention with a fused projection, GQA, RoPE, windows and a KV cache.
 
@@ -35,7 +43,9 @@ class MultiHeadAttention(AttentionHeads):
         d_in: size of each input token.
         d_out: size of the output, split into ``num_heads`` heads of
             ``head_dim = d_out // num_heads``.
-        num_heads: query heads (H).
+        num_heads: query heads (H), or a :class:`Heads` that also gives the
+            key/value heads, a head size of its own (``out_proj`` then maps
+            H * head_dim to d_out) and the scale of the scores.
         num_kv_heads: key/value heads (G), dividing num_heads; None means
             num_heads (multi-head), 1 gives multi-query attention. Query head
             h uses key/value head h // (H // G).
@@ -48,6 +58,10 @@ class MultiHeadAttention(AttentionHeads):
             Llama and GPT-NeoX), or a :class:`~attnkit.RotaryEmbedding`.
         window: with causal, each query sees only its ``window`` most recent
             keys, itself included (sliding-window attention).
+        qk_norm: a component that normalises each head's queries and keys
+            after the projection, before the rotary embedding:
+            ``qk_norm(q, k) -> (q, k)``, e.g.
+            :class:`~attnkit.functional.norm.QKNorm` of two RMSNorms (Gemma 3).
         backend: kernel for :func:`attnkit.attention` ("auto", "sdpa",
             "chunked", "math"; asking for weights uses "math" under "auto"),
             or a kernel component (:mod:`attnkit.backends.kernel`) such as
@@ -58,21 +72,23 @@ class MultiHeadAttention(AttentionHeads):
             :meth:`reset_parameters`, builds a large model without memory).
 
     Parameters: one fused ``qkv_proj`` (d_in -> (H + 2G) * D; rows are
-    queries, then keys, then values) and ``out_proj`` (d_out -> d_out). There
-    is no length limit and no (T, T) buffer. For attention to another
-    sequence, see :class:`attnkit.CrossAttention`. TorchScript is not
-    supported; ``torch.compile`` is.
+    queries, then keys, then values), ``out_proj`` (H * D -> d_out) and those
+    of ``qk_norm``. There is no length limit and no (T, T) buffer. For
+    attention to another sequence, see :class:`attnkit.CrossAttention`.
+    TorchScript is not supported; ``torch.compile`` is.
     """
 
-    def __init__(self, d_in: int, d_out: int, num_heads: int, *, num_kv_heads: int | None = None,
+    def __init__(self, d_in: int, d_out: int, num_heads: int | Heads, *, num_kv_heads: int | None = None,
                  causal: bool = True, dropout: float = 0.0, qkv_bias: bool = False, out_bias: bool = True,
-                 rope: bool | RotaryEmbedding = False, window: int | None = None, backend: str | Kernel = "auto",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 rope: bool | RotaryEmbedding = False, window: int | None = None, qk_norm: nn.Module | None = None,
+                 backend: str | Kernel = "auto", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         factory = factory_kwargs(device, dtype)
         super().__init__(d_in, d_out, num_heads, num_kv_heads=num_kv_heads, causal=causal, window=window,
                          dropout=dropout, out_bias=out_bias, backend=backend, factory=factory)
         self.rope = _make_rope(rope, self.head_dim)
-        q_size, kv_size = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qk_norm = _check_qk_norm(qk_norm)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(d_in, q_size + 2 * kv_size, bias=qkv_bias, **factory)
         self._sizes = (q_size, kv_size, kv_size)
 
@@ -82,13 +98,16 @@ class MultiHeadAttention(AttentionHeads):
                 f"backend={self.backend!r}")
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries (B, H, T, D), keys and values (B, G, T, D), before rotary embedding."""
+        """Queries (B, H, T, D), keys and values (B, G, T, D): q and k normalised by ``qk_norm``, not rotated."""
         qkv = self.qkv_proj(x)  # (B, T, d_in) -> (B, T, (H+2G)D)
         if qkv.shape[-1] != sum(self._sizes) or qkv.dtype != x.dtype:
             raise ValueError(f"qkv_proj ({type(self.qkv_proj).__name__}) gave {qkv.dtype} (..., {qkv.shape[-1]}) "
                              f"for {x.dtype} input; the layer needs {x.dtype} (..., {sum(self._sizes)})")
         q, k, v = qkv.split(self._sizes, dim=-1)  # (B, T, (H+2G)D) -> 3 parts
-        return self.split(q, self.num_heads), self.split(k, self.num_kv_heads), self.split(v, self.num_kv_heads)
+        q, k, v = self.split(q, self.num_heads), self.split(k, self.num_kv_heads), self.split(v, self.num_kv_heads)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)  # per head, over D: (B, H, T, D), (B, G, T, D)
+        return q, k, v
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, key_mask: Tensor | None = None,
                 attn_mask: Tensor | None = None, kv_cache: Cache | None = None, need_weights: bool = False,
@@ -178,10 +197,16 @@ class MultiHeadAttention(AttentionHeads):
         return self.attend(q, keys.k, keys.v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights,
                            band=band)
 
+    def torch_problems(self) -> list[str]:
+        """What ``torch.nn.MultiheadAttention`` cannot express of this layer (beyond what the converter checks)."""
+        norm = [] if self.qk_norm is None else [f"a norm of queries and keys ({type(self.qk_norm).__name__})"]
+        return super().torch_problems() + norm
+
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """The same layer as a ``torch.nn.MultiheadAttention`` (see :func:`attnkit.modules.convert.to_torch`)."""
         from .convert import to_torch
 
+        self.check_torch_equivalent()
         return to_torch(self, batch_first=batch_first)
 
 

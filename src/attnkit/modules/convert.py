@@ -91,6 +91,7 @@ def _check_torch_equivalent(layer: MultiHeadAttention | CrossAttention) -> None:
         raise ValueError("torch.nn.MultiheadAttention has no rotary embedding or sliding window")
     if layer.d_in != layer.d_out:
         raise ValueError(f"torch.nn.MultiheadAttention needs d_in == d_out, got {layer.d_in} and {layer.d_out}")
+    layer.check_torch_equivalent()  # heads of their own size, a scale of its own, a q/k norm
 
 
 def to_torch(layer: MultiHeadAttention | CrossAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:

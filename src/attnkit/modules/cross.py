@@ -1,7 +1,7 @@
 """Cross-attention: queries from one sequence, keys and values from another.
 
 Notation (shape comments): B batch, T queries, S context positions, H query
-heads, G key/value heads, D head dim, C = H * D = d_out.
+heads, G key/value heads, D head dim, C = H * D (= d_out unless Heads gives D).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .heads import AttentionHeads, factory_kwargs, positive_int
+from .heads import AttentionHeads, Heads, factory_kwargs, positive_int
 
 
 class CrossAttention(AttentionHeads):
@@ -18,7 +18,8 @@ class CrossAttention(AttentionHeads):
     Args:
         d_in: size of each query token.
         d_out: size of the output, split into ``num_heads`` heads.
-        num_heads: query heads (H).
+        num_heads: query heads (H), or a :class:`~attnkit.modules.heads.Heads`
+            (key/value heads, a head size of its own, the scale of the scores).
         d_context: size of each context token.
         num_kv_heads: key/value heads (G), dividing num_heads; None means num_heads.
         dropout: probability of dropping an attention weight, in training mode only.
@@ -27,12 +28,13 @@ class CrossAttention(AttentionHeads):
         device, dtype: where and how the parameters are created.
 
     Parameters: ``q_proj`` (d_in -> C), ``kv_proj`` (d_context -> 2 * G * D;
-    rows are keys, then values) and ``out_proj`` (d_out -> d_out). Not
+    rows are keys, then values) and ``out_proj`` (C -> d_out). Not
     causal, no rotary embedding, no KV cache: every query sees the whole
     context, except where ``key_mask`` or ``attn_mask`` hide it.
     """
 
-    def __init__(self, d_in: int, d_out: int, num_heads: int, *, d_context: int, num_kv_heads: int | None = None,
+    def __init__(self, d_in: int, d_out: int, num_heads: int | Heads, *, d_context: int,
+                 num_kv_heads: int | None = None,
                  dropout: float = 0.0, qkv_bias: bool = False, out_bias: bool = True, backend: str = "auto",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if not isinstance(backend, str):
@@ -42,7 +44,7 @@ class CrossAttention(AttentionHeads):
         super().__init__(d_in, d_out, num_heads, num_kv_heads=num_kv_heads, causal=False, window=None,
                          dropout=dropout, out_bias=out_bias, backend=backend, factory=factory)
         self.d_context = positive_int("d_context", d_context)
-        self.q_proj = nn.Linear(d_in, num_heads * self.head_dim, bias=qkv_bias, **factory)
+        self.q_proj = nn.Linear(d_in, self.num_heads * self.head_dim, bias=qkv_bias, **factory)
         self.kv_proj = nn.Linear(d_context, 2 * self.num_kv_heads * self.head_dim, bias=qkv_bias, **factory)
 
     def extra_repr(self) -> str:
@@ -78,4 +80,5 @@ class CrossAttention(AttentionHeads):
         """The same layer as a ``torch.nn.MultiheadAttention`` (see :func:`attnkit.modules.convert.to_torch`)."""
         from .convert import to_torch
 
+        self.check_torch_equivalent()
         return to_torch(self, batch_first=batch_first)

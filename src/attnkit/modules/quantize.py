@@ -17,7 +17,8 @@ hand-written.
   (tested against the file's raw blocks). A matrix tied to an embedding (the
   vocabulary head, stored 8-bit in such files) is kept in float16 (in int8 it
   cost SmolLM2 1.5 points of greedy agreement), and one whose inputs are not
-  a multiple of 32 (or outputs not a multiple of 16) in int8.
+  a multiple of 32 (or outputs not a multiple of 16) in int8; int8 needs
+  inputs in multiples of 16 and leaves other layers in float32.
 
 Every packed layer is an op ``torch.compile`` captures (the compiled decode
 step of :mod:`attnkit.models.generation` runs on any form). The int8 and
@@ -37,7 +38,7 @@ differentiate through its packed weights.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -55,15 +56,22 @@ def available_forms() -> tuple[str, ...]:
     return ("float32", "int8")  # float16, and int4's float16 head, need fbgemm
 
 
-def default_form() -> str:
-    """The fastest form that meets the accuracy bar on this CPU (BENCHMARKS.md has the measurements).
+def default_form(accurate: Sequence[str] = WEIGHT_FORMS) -> str:
+    """The fastest of the ``accurate`` forms on this CPU (BENCHMARKS.md has the measurements).
 
-    int4 where bfloat16 arithmetic is native (its kernel computes in
-    bfloat16), else float16 where fbgemm runs it, else float32.
+    ``accurate``: the forms measured to meet the accuracy bar on the model at
+    hand (a model class's ``accurate_forms``). Fastest first: int4 where
+    bfloat16 arithmetic is native (its kernel computes in bfloat16), float16
+    where fbgemm runs it, then int8, then float32.
     """
-    if has_fast_bfloat16():
-        return "int4"
-    return "float16" if "float16" in available_forms() else "float32"
+    order = ("int4", "float16", "int8") if has_fast_bfloat16() else ("float16", "int8", "int4")
+    here = available_forms()
+    return next((form for form in order if form in accurate and form in here), "float32")
+
+
+def resolve_form(weights: str, accurate: Sequence[str]) -> str:
+    """``weights`` itself, or for "auto" the :func:`default_form` of the ``accurate`` forms."""
+    return default_form(accurate) if weights == "auto" else weights
 
 
 def weight_form(model: nn.Module) -> str:
@@ -160,6 +168,9 @@ class Int8Linear(PackedLinear):
     scale: Tensor  # bfloat16 (out,)
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        if weight.shape[1] % 16:  # measured: other widths give wrong products (24, 40) or crash (12)
+            raise ValueError(f"int8 weights need inputs in multiples of 16 (the kernel's), got in_features="
+                             f"{weight.shape[1]}")
         super().__init__(weight.shape[1], weight.shape[0], bias)
         w = weight.detach().float()  # (out, in)
         scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)  # (out,)
@@ -220,20 +231,25 @@ def _tied_to_embedding(model: nn.Module) -> set[int]:
     return {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def _int4_with_float16_head(model: nn.Module) -> Callable[[nn.Linear], PackedLinear]:
-    """int4; float16 for a head tied to an embedding; int8 where the sizes do not fit the kernel's tiles."""
+def _int8(linear: nn.Linear) -> nn.Module:
+    """int8, or the float32 layer as it is where its inputs are not a multiple of 16 (the kernel's)."""
+    return linear if linear.in_features % 16 else Int8Linear(linear.weight, linear.bias)
+
+
+def _int4_with_float16_head(model: nn.Module) -> Callable[[nn.Linear], nn.Module]:
+    """int4; float16 for a head tied to an embedding; int8 (or float32) where the sizes do not fit int4's tiles."""
     tied = _tied_to_embedding(model)
 
-    def make(linear: nn.Linear) -> PackedLinear:
+    def make(linear: nn.Linear) -> nn.Module:
         if linear.weight.untyped_storage().data_ptr() in tied:
             return Float16Linear(linear.weight, linear.bias)
         if linear.in_features % GROUP or linear.out_features % 16:
-            return Int8Linear(linear.weight, linear.bias)
+            return _int8(linear)
         return Int4Linear(linear.weight, linear.bias)
     return make
 
 
-def _swap(module: nn.Module, make: Callable[[nn.Linear], PackedLinear]) -> None:
+def _swap(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
     """Replace every ``nn.Linear`` below ``module`` by ``make(linear)``, in place."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
@@ -243,6 +259,7 @@ def _swap(module: nn.Module, make: Callable[[nn.Linear], PackedLinear]) -> None:
 
 
 def _check(model: nn.Module, weights: str) -> None:
+    """Raise for a form that is unknown or not here, a model quantized before, or one not in float32."""
     if weights not in WEIGHT_FORMS:
         raise ValueError(f"unknown weight form {weights!r}; known: {', '.join(WEIGHT_FORMS)}")
     if weights not in available_forms():
@@ -262,12 +279,12 @@ def quantize(model: nn.Module, weights: str) -> nn.Module:
     Works on any attnkit model (the decoders, MiniLM): attention layers check
     their input against an activation dtype, never a weight's.
     """
+    if weights == "float32" and weight_form(model) == "float32":
+        return model  # nothing to swap, whatever the model's dtype (a bfloat16 model stays as it is)
     _check(model, weights)
-    if weights == "float32":
-        return model
-    make: Callable[[nn.Linear], PackedLinear] = {
+    make: Callable[[nn.Linear], nn.Module] = {
         "float16": lambda linear: Float16Linear(linear.weight, linear.bias),
-        "int8": lambda linear: Int8Linear(linear.weight, linear.bias),
+        "int8": _int8,
     }.get(weights) or _int4_with_float16_head(model)
     _swap(model, make)
     model.weight_form = weights  # type: ignore[assignment]

@@ -1,6 +1,7 @@
 """``attnkit serve``: a decoder behind an OpenAI-compatible HTTP API, with a chat page at ``/``.
 
     attnkit serve                          # SmolLM2-135M-Instruct on http://127.0.0.1:8000
+    attnkit serve --model gemma3           # Gemma 3 270M: a base model, for /v1/completions
     attnkit serve --gguf model.gguf --port 9000 --api-key secret
 
 Imports stay light: torch, the model and FastAPI load only when the command runs.
@@ -16,14 +17,21 @@ from attnkit._optional import require
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
+    from attnkit.models.cli import MODELS
+    from attnkit.modules.quantize import WEIGHT_FORMS
+
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
-                       description="Serve SmolLM2-135M-Instruct (or a GGUF file) with continuous batching over a "
+                       description="Serve SmolLM2-135M-Instruct (or Gemma 3 270M, or a GGUF file) with continuous "
+                       "batching over a "
                        "paged KV cache: POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, "
                        "/metrics; a chat page at /. Binds 127.0.0.1 unless --host says otherwise.")
-    p.add_argument("--model", choices=["smollm2"], default="smollm2", help="the packaged model (default smollm2)")
-    p.add_argument("--gguf", metavar="FILE", help="a Llama-architecture GGUF file instead of the packaged model")
-    p.add_argument("--weights", choices=["float32", "float16"],
-                   help="the form of the weights: float16 halves the bytes each token reads (float32 activations); "
+    p.add_argument("--model", choices=list(MODELS), help="the packaged model (default smollm2): "
+                   + "; ".join(f"{name}: {what}" for name, what in MODELS.items())
+                   + ". A base model has no chat template: it serves /v1/completions")
+    p.add_argument("--gguf", metavar="FILE", help="a Llama- or Gemma 3-architecture GGUF file instead of a "
+                   "packaged model")
+    p.add_argument("--weights", choices=list(WEIGHT_FORMS),
+                   help="the form of the weights, float32 activations (fewer bytes: each token reads them all); "
                    "default: the fastest form that meets the accuracy bar on this CPU (printed at start)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -39,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.gguf is not None and args.model is not None:
+        raise ValueError(f"--model {args.model} and --gguf name two models: give one")
     for name in ("max_batch", "block_size", "max_waiting"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -56,18 +66,19 @@ def _serve(args: argparse.Namespace) -> int:
     require("fastapi", "attnkit serve")
     import torch
 
-    from attnkit.models.loader import load_gguf, smollm2_path
-    from attnkit.modules.quantize import default_form
+    from attnkit.models.cli import packaged_path
+    from attnkit.models.loader import load_gguf
+    from attnkit.modules.quantize import weight_form
 
     from .api import Server, create_app
     from .engine import Engine
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    path = args.gguf or smollm2_path()
-    weights = args.weights or default_form()
-    model = load_gguf(path, weights=weights)
-    name = "smollm2" if args.gguf is None else str(path).rsplit("/", 1)[-1].removesuffix(".gguf")
+    path = args.gguf or packaged_path(args.model or "smollm2")
+    model = load_gguf(path, weights=args.weights or "auto")  # auto: the fastest accurate form for the architecture
+    weights = weight_form(model)
+    name = (args.model or "smollm2") if args.gguf is None else str(path).rsplit("/", 1)[-1].removesuffix(".gguf")
     engine = Engine(model, model.decode, kv_memory_mib=args.kv_memory, block_size=args.block_size,
                     max_batch=args.max_batch, max_waiting=args.max_waiting)
     engine.start()

