@@ -5,6 +5,7 @@ The timing itself is a benchmark, not a test: nothing here asserts a speed.
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -14,8 +15,18 @@ from pathlib import Path
 import pytest
 
 from attnkit.bench import llamacpp
-from attnkit.bench.command import Options
-from attnkit.bench.generate import GenerateSuite, format_rows, generate_targets, plot, run_generate_suite
+from attnkit.bench.command import Options, add_arguments
+from attnkit.bench.generate import (
+    GEMMA3_LENGTHS,
+    MODELS,
+    GenerateSuite,
+    format_rows,
+    gemma3_targets,
+    generate_targets,
+    plot,
+    prompt_ids,
+    run_generate_suite,
+)
 from attnkit.bench.generate import _rounds as rounds
 from tests.models._decoder import need_smollm2, smollm2
 
@@ -183,7 +194,7 @@ def test_tiny_run_end_to_end_with_llama_cpp_missing(monkeypatch: pytest.MonkeyPa
 
     model = smollm2()  # loaded once per session
     monkeypatch.setattr(attnkit.models, "load_smollm2", lambda weights="float32": model)
-    monkeypatch.setattr(generate, "_tokenizer", lambda: (model.tokenizer, model.context_length))
+    monkeypatch.setattr(generate, "_tokenizer", lambda spec: (model.tokenizer, model.context_length))
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     rows = run_generate_suite(GenerateSuite(forms=("float32",), lengths=(8,), batch=2, new_tokens=3, repeats=1,
                                             transformers=False, llamacpp=("off",), memory=False))
@@ -194,7 +205,7 @@ def test_tiny_run_end_to_end_with_llama_cpp_missing(monkeypatch: pytest.MonkeyPa
     assert one["contender"] == "attnkit-float32" and one["context"] == 8 and one["decode_tokens_per_s"] > 0
     (batched,) = [r for r in rows if r["kind"] == "batched"]
     assert batched["batch"] == 2 and batched["prompt_len"] == 64 and batched["new_tokens_per_s"] > 0
-    assert rows[0]["llama_cpp"] == "not installed" and rows[0]["threads"] == 2
+    assert rows[0]["llama_cpp"] == "not installed" and rows[0]["threads"] == 2 and rows[0]["model"] == "smollm2"
 
 
 def test_llama_cpp_is_fed_attnkits_token_ids():
@@ -204,7 +215,6 @@ def test_llama_cpp_is_fed_attnkits_token_ids():
     pytest.importorskip("llama_cpp")
     import torch
 
-    from attnkit.bench.generate import prompt_ids
     from attnkit.models.loader import smollm2_path
 
     model = smollm2()
@@ -218,3 +228,93 @@ def test_llama_cpp_is_fed_attnkits_token_ids():
             llm.single(ids + ids[:-2], 4)
     finally:
         llm.close()
+
+
+# Gemma 3: batch 1 at 16 and 2000 tokens, attnkit float32 and float16 beside transformers and llama.cpp
+GEMMA_ROWS = [
+    _b1("attnkit-float32", 16, 26.0), _b1("attnkit-float16", 16, 39.0), _b1("transformers-float32", 16, 20.0),
+    _b1("llama.cpp", 16, 52.0),
+    _b1("attnkit-float32", 2000, 18.0), _b1("attnkit-float16", 2000, 30.0), _b1("transformers-float32", 2000, 15.0),
+]
+
+
+def test_gemma3_target_is_attnkit_float32_over_transformers_float32_at_each_length():
+    """1.3x at 16 tokens (met), 1.2x at 2000 (missed): a ratio against the wrong contender or form, or the wrong
+    threshold, changes a value or a verdict; the accurate form's ratio and llama.cpp's come as notes."""
+    found = gemma3_targets(GEMMA_ROWS, "float16", GEMMA3_LENGTHS)
+    assert [t["target"] for t in found] == [
+        f"gemma3 batch 1, {t}-token context: decode tokens/s, attnkit float32 / transformers float32"
+        for t in (16, 2000)]
+    assert [(t["goal"], t["measured"], t["met"]) for t in found] == [(">= 1.3x", 1.3, True),
+                                                                     (">= 1.3x", 1.2, False)]
+    assert found[0]["note"] == ("attnkit float16 (fastest accurate form) / transformers float32: 1.95x; "
+                                "attnkit float32 / llama.cpp: 0.50x; attnkit float16 / llama.cpp: 0.75x")
+    assert found[1]["note"] == "attnkit float16 (fastest accurate form) / transformers float32: 2.00x"
+
+
+def test_gemma3_target_without_transformers_is_not_measured_and_float32_has_no_second_form():
+    rows = [r for r in GEMMA_ROWS if r["contender"] != "transformers-float32"]
+    found = gemma3_targets(rows, "float32", GEMMA3_LENGTHS)
+    assert [(t["measured"], t["met"], t["verdict"]) for t in found] == [(None, None, "not measured in this run")] * 2
+    assert found[0]["note"] == "attnkit float32 / llama.cpp: 0.50x" and found[1]["note"] == ""
+
+
+def test_gemma3_options_default_to_batch_1_at_16_and_2000_with_float32_and_the_fastest_accurate_form():
+    from attnkit.models.gemma3 import Gemma3Model
+    from attnkit.modules.quantize import default_form
+
+    suite = GenerateSuite.from_options(Options(suite="generate", model="gemma3"))
+    assert suite.model == "gemma3" and suite.lengths == GEMMA3_LENGTHS == (16, 2000)
+    assert suite.batch == 0 and suite.memory is False
+    assert suite.forms == tuple(dict.fromkeys(("float32", default_form(Gemma3Model.accurate_forms))))
+    assert suite.names(llamacpp_installed=True)[-3:] == ["transformers-float32", "llama.cpp", "llama.cpp-fa"]
+    assert GenerateSuite.from_options(Options(suite="generate", model="gemma3", seq_lens=[16])).lengths == (16,)
+    assert GenerateSuite.from_options(Options(suite="generate")).model == "smollm2"
+
+
+def test_the_model_option_parses_and_offers_every_model():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--suite", "generate", "--model", "gemma3", "--lengths", "16"])
+    assert Options.from_namespace(args).model == "gemma3"
+    assert Options.from_namespace(parser.parse_args(["--suite", "generate"])).model == "smollm2"
+    (action,) = [a for a in parser._actions if a.dest == "model"]
+    assert list(action.choices or []) == list(MODELS)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "llama"])
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (Options(suite="generate", model="gemma3", batch=[1, 8]), "the gemma3 suite runs batch 1 only: batch must be 0"),
+    (Options(suite="generate", model="phi"), "unknown --model 'phi'; choose from: smollm2, gemma3"),
+])
+def test_bad_model_options_are_refused_by_name(options: Options, message: str):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GenerateSuite.from_options(options)
+
+
+def test_a_gemma3_suite_built_directly_is_refused_its_batched_case_and_memory():
+    with pytest.raises(ValueError, match=re.escape("batch=8, memory=True")):
+        GenerateSuite(model="gemma3")
+    assert GenerateSuite.for_model("gemma3", forms=("float32",)).lengths == (16, 2000)
+
+
+class _BosTokenizer:
+    """Puts BOS (2) before every text, as Gemma's does."""
+
+    add_bos, bos_id = True, 2
+
+    def encode(self, text: str) -> list[int]:
+        return [2, 10, 11, 12]
+
+
+def test_prompt_ids_put_bos_once_first_for_a_tokenizer_that_adds_it():
+    assert prompt_ids(_BosTokenizer(), 8) == [2, 10, 11, 12, 10, 11, 12, 10]
+    assert prompt_ids(_BosTokenizer(), 5, offset=1) == [2, 11, 12, 10, 11]
+
+
+def test_format_rows_shows_the_note_that_gemma3_runs_batch_1_only():
+    rows = [{"kind": "note", "text": "Gemma 3 270M: batch 1 only"}, *gemma3_targets(GEMMA_ROWS, "float16")]
+    lines = format_rows(rows).splitlines()
+    assert lines[0] == "Gemma 3 270M: batch 1 only"
+    assert lines[1].startswith("target gemma3 batch 1, 16-token context") and lines[1].count(": met") == 1

@@ -62,6 +62,7 @@ class Options:
     no_transformers: bool = False
     no_llamacpp: bool = False
     llamacpp_fa: str = "both"
+    model: str = "smollm2"
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> Options:
@@ -148,7 +149,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "another size = the batched case's prompts; default 1,8)")
     p.add_argument("--seq-lens", "--lengths", type=_csv(int),
                    help="sequence lengths (context lengths for decode; generate: batch-1 prompt lengths, "
-                   "default 16,4000,7900)")
+                   "default 16,4000,7900; gemma3: 16,2000)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses "
@@ -160,6 +161,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--out", default="bench-out", help="folder for results.json, summary.md and plots")
     generate = p.add_argument_group("the generate suite")
+    generate.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2",
+                          help="the model: smollm2 (default; every case) or gemma3 (batch 1 at 16 and 2000 tokens, "
+                          "attnkit float32 and its fastest accurate form, transformers, llama.cpp)")
     generate.add_argument("--forms", type=_csv(str), help="attnkit weight forms, e.g. float32,int4 "
                           "(default: every form this CPU runs)")
     generate.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")

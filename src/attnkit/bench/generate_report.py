@@ -1,8 +1,10 @@
 """The generate suite's report: its targets decided from its rows, a plain-text table, and plots.
 
 Every target is a ratio (or a time) from one run, judged on attnkit's
-default weight form; a target this run did not measure (a length left out,
-llama.cpp not installed) is a row that says so, never a silent gap.
+default weight form (SmolLM2, :func:`generate_targets`) or on attnkit float32
+against transformers float32 (Gemma 3, :func:`gemma3_targets`); a target this
+run did not measure (a length left out, llama.cpp not installed) is a row
+that says so, never a silent gap.
 """
 
 from __future__ import annotations
@@ -91,9 +93,30 @@ def generate_targets(rows: Sequence[Row], default: str) -> list[Row]:
     return _batch1_targets(rows, a, who) + _batched_targets(rows, a, who) + _process_targets(rows, a, who)
 
 
+def gemma3_targets(rows: Sequence[Row], accurate: str, lengths: Sequence[int] = (16, 2000)) -> list[Row]:
+    """Gemma 3's targets: batch-1 decode tokens/s of attnkit float32 over transformers float32 at each of
+    ``lengths``, with the ratios of attnkit's ``accurate`` form (the fastest accurate one) and to llama.cpp as
+    notes."""
+    one = {(r["contender"], r["context"]): r for r in rows if r["kind"] == _B1}
+    a, hf = f"attnkit-{accurate}", "transformers-float32"
+    found = []
+    for t in lengths:
+        def ratio(top: str, bottom: str, t: int = t) -> float | None:
+            return _ratio(one, (top, t), (bottom, t), "decode_tokens_per_s")
+
+        notes = [("attnkit float32 / llama.cpp", ratio("attnkit-float32", "llama.cpp"))]
+        if accurate != "float32":
+            notes = [(f"attnkit {accurate} (fastest accurate form) / transformers float32", ratio(a, hf)), *notes,
+                     (f"attnkit {accurate} / llama.cpp", ratio(a, "llama.cpp"))]
+        found.append(_target(f"gemma3 batch 1, {t}-token context: decode tokens/s, attnkit float32 / transformers "
+                             "float32", ">= 1.3x", ratio("attnkit-float32", hf), lambda v: v >= 1.3, _notes(notes)))
+    return found
+
+
 _LINES: dict[str, Callable[[Row], str]] = {
     "env": lambda r: ", ".join(f"{k} {v}" for k, v in r.items() if k != "kind"),
     "skipped": lambda r: f"skipped {r['contender']}: {r['reason']}",
+    "note": lambda r: str(r["text"]),
     "bound": lambda r: (f"decode bound ({r['weights']} weights): {r['seconds_per_pass'] * 1e3:.1f} ms per pass of "
                         f"all weights = {r['decode_tokens_per_s']:.1f} tokens/s"),
     _B1: lambda r: (f"{r['contender']:>20} B=1 T={r['context']:>5} +{r['new_tokens']}: first token "
@@ -134,7 +157,8 @@ def plot(rows: Sequence[Row], out_dir: Any) -> list[Path]:
     names = list(dict.fromkeys(r["contender"] for r in one + batched))
     colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
     contexts = sorted({r["context"] for r in one})
-    threads = next((r["threads"] for r in rows if r["kind"] == "env"), "?")
+    env = next((r for r in rows if r["kind"] == "env"), {})
+    threads, model = env.get("threads", "?"), f"{env['model']}, " if "model" in env else ""
 
     def per_context(field: str) -> dict[str, list[float]]:
         table = {(r["contender"], r["context"]): r[field] for r in one}
@@ -148,7 +172,7 @@ def plot(rows: Sequence[Row], out_dir: Any) -> list[Path]:
         if one:
             ax = axes.pop(0)
             _bars(ax, [f"T={t}" for t in contexts], per_context("decode_tokens_per_s"), colors)
-            ax.set(ylabel="decode tokens/s", title=f"batch 1 decode, {threads} threads")
+            ax.set(ylabel="decode tokens/s", title=f"{model}batch 1 decode, {threads} threads")
         if batched:
             ax = axes.pop(0)
             _bars(ax, [f"B={batched[0]['batch']}, T={batched[0]['prompt_len']}"],
@@ -161,7 +185,7 @@ def plot(rows: Sequence[Row], out_dir: Any) -> list[Path]:
         ax = fig.subplots()
         _bars(ax, [f"T={t}" for t in contexts], per_context("prefill_tokens_per_s"), colors)
         ax.set(yscale="log", ylabel="prefill tokens/s (prompt / time to first token)",
-               title=f"batch 1 prefill, {threads} threads")
+               title=f"{model}batch 1 prefill, {threads} threads")
         fig.savefig(Path(out_dir) / "prefill.png", dpi=100)
         written.append(Path(out_dir) / "prefill.png")
     return written
