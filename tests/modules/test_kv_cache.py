@@ -364,3 +364,24 @@ def test_a_shallow_copy_of_a_cache_does_not_share_storage():
     layer(x[:, 3:4], kv_cache=cache)
     layer(torch.randn(2, 1, 8, dtype=torch.float64), kv_cache=twin)
     torch.testing.assert_close(layer(x[:, 4:5], kv_cache=cache), full[:, 4:5])
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_sliding_window_decodes_over_a_long_cache_as_the_full_forward(explicit: bool) -> None:
+    """Keys older than the window are left out of a decoding step, not masked: the outputs stay exact.
+
+    Rows of a left-padded batch sit at different positions; every step equals the full forward's row.
+    """
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 16, 4, num_kv_heads=2, rope=True, window=3).double()
+    x = torch.randn(2, 14, 16, dtype=torch.float64)
+    key_mask = torch.ones(2, 14, dtype=torch.bool)
+    key_mask[1, :4] = False  # row 1: four padding tokens first
+    positions = (key_mask.long().cumsum(1) - 1).masked_fill(~key_mask, -1)  # (B, T): -1 = padding
+    full = layer(x, key_mask=key_mask, positions=positions if explicit else None)
+    cache = KVCache()
+    layer(x[:, :5], key_mask=key_mask[:, :5], positions=positions[:, :5] if explicit else None, kv_cache=cache)
+    for t in range(5, 14):
+        step = layer(x[:, t:t + 1], key_mask=key_mask[:, :t + 1], kv_cache=cache,
+                     positions=positions[:, t:t + 1] if explicit else None)  # (B, 1, C)
+        torch.testing.assert_close(step, full[:, t:t + 1])

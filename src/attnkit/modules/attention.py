@@ -183,19 +183,31 @@ class MultiHeadAttention(AttentionHeads):
         """Attention over what the cache handed back; the band from positions when they are explicit.
 
         A kernel component attends by the positions its ``prepare`` gave (it knows the band itself).
+        With a sliding window, keys no query may see (all but the last window
+        of a long cache) are left out before attention instead of masked, so a
+        decoding step reads window keys, not the whole cache (unless weights
+        over every key are asked for, or under torch.compile with explicit
+        positions, where finding them would synchronise).
         """
         if not isinstance(self.backend, str):
             return self.attend_with(self.backend, q, keys.k, keys.v, key_mask=key_mask)
-        if keys.positions is None and not isinstance(positions, Tensor):  # a plain prefix: the symbolic band
-            return self.attend(q, keys.k, keys.v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights)
         b, _, t, _ = q.shape
-        s = keys.k.shape[2]
+        k, v, s = keys.k, keys.v, keys.k.shape[2]
+        plain_keys = key_mask is None or (isinstance(key_mask, Tensor) and key_mask.shape == (b, s))
+        w = self.window if self.causal and attn_mask is None and not need_weights and plain_keys else None
+        if keys.positions is None and not isinstance(positions, Tensor):  # a plain prefix: the symbolic band
+            if w is not None and s > w + t - 1:  # keys before the last window + T - 1 are hidden from every query
+                first = s - (w + t - 1)
+                k, v, key_mask = k[:, :, first:], v[:, :, first:], _keys_from(key_mask, first)  # (B, G, S', D)
+            return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights)
         q_pos = positions if isinstance(positions, Tensor) else (positions + torch.arange(t, device=q.device)).expand(
             b, t)  # (B, T)
         k_pos = keys.positions if keys.positions is not None else torch.arange(s, device=q.device).expand(b, s)
         band = position_mask(q_pos, k_pos, causal=self.causal, window=self.window)  # (B, 1, T, S)
-        return self.attend(q, keys.k, keys.v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights,
-                           band=band)
+        if w is not None and s > 2 * w and not torch.compiler.is_compiling():
+            first = int(band.any(dim=(0, 1, 2)).int().argmax())  # the first key any query may see (one sync)
+            k, v, band, key_mask = k[:, :, first:], v[:, :, first:], band[..., first:], _keys_from(key_mask, first)
+        return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights, band=band)
 
     def torch_problems(self) -> list[str]:
         """What ``torch.nn.MultiheadAttention`` cannot express of this layer (beyond what the converter checks)."""
@@ -210,3 +222,6 @@ class MultiHeadAttention(AttentionHeads):
         return to_torch(self, batch_first=batch_first)
 
 
+def _keys_from(key_mask: Tensor | None, first: int) -> Tensor | None:
+    """key_mask (B, S) without its first ``first`` keys: (B, S - first)."""
+    return None if key_mask is None else key_mask[:, first:]
