@@ -15,7 +15,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnkit import attention
 from attnkit.backends import BACKENDS, choose, chunked, make_call
@@ -32,6 +31,7 @@ from attnkit.functional import (
     sliding_window,
     softcap,
 )
+from tests.backends.test_memory import LargestTensor
 
 
 @contextlib.contextmanager
@@ -261,17 +261,6 @@ def test_a_plain_mask_function_is_evaluated_per_block_and_its_hidden_blocks_are_
     torch.testing.assert_close(out, reference(q, k, v, mask_mod=mask.fn, score_mod=score.fn))
 
 
-class _Largest(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def test_chunked_with_modifiers_never_holds_t_by_s():
@@ -279,7 +268,7 @@ def test_chunked_with_modifiers_never_holds_t_by_s():
     t = 1024
     q, k, v = (torch.randn(1, 1, t, 8, requires_grad=True) for _ in range(3))
     sinks = torch.zeros(1, requires_grad=True)
-    with _Largest() as mode:
+    with LargestTensor() as mode:
         out = attention(q, k, v, score_mod=softcap(5.0), mask_mod=lambda b, h, qi, ki: ki <= qi, sinks=sinks,
                         backend="chunked")
         out.sum().backward()

@@ -101,31 +101,33 @@ def _run_smollm2(text: str, truncate: bool) -> _Traced:
     from attnkit.models import load_smollm2
 
     model = load_smollm2()
-    ids, total = _capped_ids(model, text, truncate, "SmolLM2", SMOLLM2_MAX_TOKENS)  # (1, T), and the text's length
-    tokens = tuple(model.decode([i], skip_special_tokens=False) for i in ids[0].tolist())
-    with trace(model) as recorded:
-        model(ids)
     c = model.config
-    cut = model.decode(ids[0], skip_special_tokens=False) + " ..." if ids.shape[1] < total else None
-    return _Traced("SmolLM2", f"SmolLM2-135M-Instruct ({c.num_layers} layers x {c.num_heads} heads over "
-                   f"{c.num_kv_heads} key/value heads, hidden {c.d_model}, RoPE) on attnkit layers", tokens,
-                   "byte-level BPE tokens", recorded, cut)
+    return _run_decoder(model, text, truncate, "SmolLM2", SMOLLM2_MAX_TOKENS,
+                        f"SmolLM2-135M-Instruct ({c.num_layers} layers x {c.num_heads} heads over "
+                        f"{c.num_kv_heads} key/value heads, hidden {c.d_model}, RoPE) on attnkit layers",
+                        "byte-level BPE tokens")
 
 
 def _run_gemma3(text: str, truncate: bool) -> _Traced:
     from attnkit.models import load_gemma3
 
     model = load_gemma3()
-    ids, total = _capped_ids(model, text, truncate, "Gemma 3", GEMMA3_MAX_TOKENS)  # (1, T), and the text's length
+    c = model.config
+    kinds = ", ".join(str(i) for i in range(c.num_layers) if c.is_global(i))
+    return _run_decoder(model, text, truncate, "Gemma 3", GEMMA3_MAX_TOKENS,
+                        f"Gemma 3 270M ({c.num_layers} layers x {c.num_heads} heads of {c.head_dim} over "
+                        f"{c.num_kv_heads} key/value head, hidden {c.d_model}; layers {kinds} global, the others a "
+                        f"{c.window}-token window) on attnkit layers", "SentencePiece tokens")
+
+
+def _run_decoder(model: Any, text: str, truncate: bool, name: str, cap: int, about: str, pieces: str) -> _Traced:
+    """A decoder's attention on the text (at most ``cap`` tokens), recorded by trace."""
+    ids, total = _capped_ids(model, text, truncate, name, cap)  # (1, T), and the text's length
     tokens = tuple(model.decode([i], skip_special_tokens=False) for i in ids[0].tolist())
     with trace(model) as recorded:
         model(ids)
-    c = model.config
-    kinds = ", ".join(str(i) for i in range(c.num_layers) if c.is_global(i))
     cut = model.decode(ids[0], skip_special_tokens=False) + " ..." if ids.shape[1] < total else None
-    return _Traced("Gemma 3", f"Gemma 3 270M ({c.num_layers} layers x {c.num_heads} heads of {c.head_dim} over "
-                   f"{c.num_kv_heads} key/value head, hidden {c.d_model}; layers {kinds} global, the others a "
-                   f"{c.window}-token window) on attnkit layers", tokens, "SentencePiece tokens", recorded, cut)
+    return _Traced(name, about, tokens, pieces, recorded, cut)
 
 
 def _capped_ids(model: Any, text: str, truncate: bool, name: str, cap: int) -> tuple[Tensor, int]:

@@ -50,13 +50,11 @@ from attnkit.functional.norm import QKNorm, RMSNorm
 from attnkit.modules import MultiHeadAttention
 from attnkit.modules.heads import Heads
 from attnkit.modules.kv_cache import Cache
-from attnkit.modules.quantize import quantize, resolve_form
 
-from .decoder import DecoderModel, GatedMLP, assemble, release_freed_memory, transposed_storage
+from .decoder import DecoderModel, GatedMLP, assemble, pack, transposed_storage
 from .generation import Tokenizer
 from .gguf import GGUFFile
-from .loader import _fuse, _number, _positive, _tensor, load_gguf
-from .tokenizer import GGUFTokenizer
+from .loader import _fuse, _number, _positive, _tensor, file_tokenizer, load_gguf
 
 # The weight forms (attnkit.modules.quantize) that meet attnkit's accuracy bar on Gemma 3 270M, fastest first:
 # >= 97% of greedy choices and perplexity within 3% of float32's, teacher-forced on 572 tokens of prose
@@ -271,17 +269,9 @@ def gemma3_from_gguf(file: GGUFFile, *, dtype: torch.dtype = torch.float32,
     :func:`attnkit.modules.quantize.quantize`).
     """
     config = gemma3_config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
-    tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=config.context_length)
-    tokenizer.template_name = f"the chat template of {file.path}"
-    if tokenizer.vocab_size != config.vocab_size:
-        raise ValueError(f"{file.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
-                         f"{config.vocab_size} (gemma3.vocab_size)")
+    tokenizer = file_tokenizer(file, config.vocab_size, config.context_length, "gemma3.vocab_size")
     state = gemma3_weights(file, config, progress, dtype=dtype)
-    model = assemble(lambda: Gemma3Model(config, tokenizer), state, dtype)
-    del state  # the float32 tensors the packed forms replace
-    quantize(model, resolve_form(weights, model.accurate_forms))
-    release_freed_memory()
-    return model
+    return pack(assemble(lambda: Gemma3Model(config, tokenizer), state, dtype), weights)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,9 +27,9 @@ from torch import Tensor
 from attnkit._cpu import SlowDtypeWarning as SlowDtypeWarning  # re-exported: load_gguf warns with it
 from attnkit._cpu import warn_if_slow_dtype
 from attnkit._optional import MissingDependencyError
-from attnkit.modules.quantize import WEIGHT_FORMS, quantize, resolve_form
+from attnkit.modules.quantize import WEIGHT_FORMS
 
-from .decoder import DecoderModel, release_freed_memory
+from .decoder import DecoderModel, assemble, pack
 from .gguf import GGUFFile, read_gguf, unpermute_rows
 from .llama import LlamaConfig, LlamaModel, transposed_storage
 from .tokenizer import GGUFTokenizer
@@ -224,26 +224,19 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         raise ValueError(f"{path}: architecture {arch!r} is not supported (general.architecture); supported: "
                          "llama, gemma3")
     config = llama_config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
-    tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=config.context_length)
-    tokenizer.template_name = f"the chat template of {path}"
-    if tokenizer.vocab_size != config.vocab_size:
-        raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
-                         f"{config.vocab_size}")
+    tokenizer = file_tokenizer(file, config.vocab_size, config.context_length, "llama.vocab_size")
     state = convert_gguf_weights(file, config, progress, dtype=dtype)
-    with torch.device("meta"):  # no random initialisation: every parameter is assigned below
-        model = LlamaModel(config, tokenizer)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.tie_weights()  # assign gave the embedding and the head a Parameter each (one storage)
-    for module in model.modules():  # buffers outside the state dict (the layers' activation dtype) leave meta
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer.is_meta:
-                kind = dtype if buffer.is_floating_point() else buffer.dtype
-                module.register_buffer(name, torch.empty(buffer.shape, dtype=kind), persistent=False)
-    del state
-    quantize(model.eval(), resolve_form(weights, model.accurate_forms))
-    release_freed_memory()
-    return model
+    return pack(assemble(lambda: LlamaModel(config, tokenizer), state, dtype), weights)
 
+
+def file_tokenizer(file: GGUFFile, vocab_size: int, context_length: int, vocab_key: str) -> GGUFTokenizer:
+    """The file's tokenizer, refused by name when its vocabulary is not the model's (``vocab_key``'s)."""
+    tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=context_length)
+    tokenizer.template_name = f"the chat template of {file.path}"
+    if tokenizer.vocab_size != vocab_size:
+        raise ValueError(f"{file.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
+                         f"{vocab_size} ({vocab_key})")
+    return tokenizer
 
 
 def smollm2_path() -> Path:
