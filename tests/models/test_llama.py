@@ -110,7 +110,8 @@ def test_every_cache_against_the_full_forward_float64(static: bool) -> None:
     (torch.tensor([[0.0, 1.0]]), ValueError, "torch.long"),
     (torch.tensor([[0, 1, 2]]), ValueError, r"\(B, T\) = \(1, 2\)"),
     (torch.tensor([[-3, 1]]), ValueError, "must be >= 0"),
-    (torch.tensor([[3, 1]]), ValueError, "must not decrease within a row: row 0 goes from 3 to 1"),
+    (torch.tensor([[3, 1]]), ValueError,
+     r"must increase within a row \(no decrease, no repeat\): row 0 goes from 3 to 1"),
     (torch.tensor([[63, 64]]), ValueError, "position 64 is beyond the model's context length 64"),
 ])
 def test_bad_positions_are_named(positions: Any, error: type, message: str) -> None:

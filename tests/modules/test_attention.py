@@ -376,3 +376,22 @@ def test_to_torch_refuses_what_torch_cannot_express(layer, problem):
     """torch.nn.MultiheadAttention would silently compute another function (no norm, 1/sqrt(D) scale)."""
     with pytest.raises(ValueError, match=r"torch.nn.MultiheadAttention has no equivalent of " + problem):
         layer.to_torch()
+
+
+def test_a_qk_norm_that_changes_the_heads_or_takes_one_argument_is_refused() -> None:
+    """A component that cut the heads would attend over fewer dimensions with the old scale: refused by shape."""
+    import torch as _torch
+
+    from attnkit import Heads
+    from attnkit.functional import RMSNorm
+
+    class Cut(_torch.nn.Module):
+        def forward(self, q: _torch.Tensor, k: _torch.Tensor) -> tuple[_torch.Tensor, _torch.Tensor]:
+            return q[..., :3], k[..., :3]
+
+    layer = MultiHeadAttention(16, 16, Heads(4, head_dim=6), qk_norm=Cut())
+    with pytest.raises(ValueError, match=r"qk_norm must return q and k in their shapes \(1, 4, 3, 6\) and "
+                                         r"\(1, 4, 3, 6\), got \(1, 4, 3, 3\) and \(1, 4, 3, 3\)"):
+        layer(_torch.randn(1, 3, 16))
+    with pytest.raises(TypeError, match=r"forward\(q, k\).*QKNorm\(q_norm, k_norm\).*got RMSNorm"):
+        MultiHeadAttention(16, 16, Heads(4, head_dim=6), qk_norm=RMSNorm(6, eps=1e-6))

@@ -226,8 +226,10 @@ def test_any_object_with_the_protocol_is_a_cache():
     (torch.arange(4.0)[None], r"torch.long \(B, T\) = \(1, 4\)"),
     (torch.arange(3)[None], r"\(B, T\) = \(1, 4\)"),
     (torch.tensor([[0, 1, -2, 3]]), r"must be >= 0 \(or -1 to mark padding\), got -2"),
-    (torch.tensor([[0, 2, 1, 3]]), "must not decrease within a row: row 0 goes from 2 to 1"),
-    (torch.tensor([[0, 2, -1, 1]]), "must not decrease within a row: row 0 goes from 2 to 1"),
+    (torch.tensor([[0, 2, 1, 3]]), "must increase within a row \\(no decrease, no repeat\\): row 0 goes from 2 to 1"),
+    (torch.tensor([[0, 2, -1, 1]]), "must increase within a row \\(no decrease, no repeat\\): row 0 goes from 2 to 1"),
+    # a repeat: StaticKVCache stores by position and silently kept only the second key
+    (torch.tensor([[0, 1, 1, 2]]), "must increase within a row \\(no decrease, no repeat\\): row 0 goes from 1 to 1"),
 ])
 def test_bad_positions_are_named(positions, message):
     with pytest.raises(ValueError, match=message):

@@ -30,10 +30,27 @@ def _make_rope(rope: bool | RotaryEmbedding, head_dim: int) -> RotaryEmbedding |
 
 
 def _check_qk_norm(qk_norm: object) -> nn.Module | None:
-    if qk_norm is not None and not isinstance(qk_norm, nn.Module):
+    """An nn.Module whose forward takes (q, k); a single norm (forward(x)) is refused with what to wrap it in."""
+    if qk_norm is None:
+        return None
+    if not isinstance(qk_norm, nn.Module) or _positional_arity(qk_norm.forward) < 2:
         raise TypeError(f"qk_norm must be an nn.Module whose forward(q, k) returns (q, k), such as "
-                        f"attnkit.functional.norm.QKNorm(q_norm, k_norm); got {type(qk_norm).__name__}")
+                        f"attnkit.functional.QKNorm(q_norm, k_norm) (one norm for each); got "
+                        f"{type(qk_norm).__name__}")
     return qk_norm
+
+
+def _positional_arity(fn: object) -> int:
+    """How many positional arguments ``fn`` accepts (a large number for *args)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 2  # no signature to read: let the call decide
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 2
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 class MultiHeadAttention(AttentionHeads):
@@ -106,7 +123,11 @@ class MultiHeadAttention(AttentionHeads):
         q, k, v = qkv.split(self._sizes, dim=-1)  # (B, T, (H+2G)D) -> 3 parts
         q, k, v = self.split(q, self.num_heads), self.split(k, self.num_kv_heads), self.split(v, self.num_kv_heads)
         if self.qk_norm is not None:
+            shapes = q.shape, k.shape
             q, k = self.qk_norm(q, k)  # per head, over D: (B, H, T, D), (B, G, T, D)
+            if (q.shape, k.shape) != shapes:
+                raise ValueError(f"qk_norm must return q and k in their shapes {tuple(shapes[0])} and "
+                                 f"{tuple(shapes[1])}, got {tuple(q.shape)} and {tuple(k.shape)}")
         return q, k, v
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, key_mask: Tensor | None = None,

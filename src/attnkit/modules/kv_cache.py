@@ -91,7 +91,10 @@ _last_checked: list[weakref.ref[Tensor]] = []  # the positions tensor checked la
 
 
 def check_positions(positions: object, batch: int, length: int) -> Tensor:
-    """Positions must be (B, T) long, >= 0 (or -1: padding) and never decreasing along a row (padding aside).
+    """Positions must be (B, T) long, >= 0 (or -1: padding) and increasing along a row (padding aside).
+
+    A repeated position is refused like a decreasing one: caches store keys by
+    position (StaticKVCache would overwrite the first with the second).
 
     The values are read once per tensor: the layers of a model, handed the same
     positions, check them once (a tensor changed in place between calls is not read again).
@@ -102,12 +105,12 @@ def check_positions(positions: object, batch: int, length: int) -> Tensor:
     if torch.compiler.is_compiling() or (_last_checked and _last_checked[0]() is positions):
         return positions
     before = positions.cummax(dim=1).values[:, :-1]  # (B, T - 1): the highest position so far
-    drops = (positions[:, 1:] >= 0) & (positions[:, 1:] < before)  # (B, T - 1)
+    drops = (positions[:, 1:] >= 0) & (positions[:, 1:] <= before)  # (B, T - 1): not above every earlier one
     if bool((positions < -1).any() | drops.any()):  # one read of the values; details only on failure
         if int(positions.min()) < -1:
             raise ValueError(f"positions must be >= 0 (or -1 to mark padding), got {int(positions.min())}")
         row, t = (int(i) for i in drops.nonzero()[0])
-        raise ValueError(f"positions must not decrease within a row: row {row} goes from "
+        raise ValueError(f"positions must increase within a row (no decrease, no repeat): row {row} goes from "
                          f"{int(before[row, t])} to {int(positions[row, t + 1])}")
     _last_checked[:] = [weakref.ref(positions)]
     return positions
