@@ -54,7 +54,9 @@ class BlockMods:
     ``rule`` its block rule (None: evaluate every block that is not skipped).
     ``key_start`` is the position of key 0; query i is at ``key_start +
     offset + i`` (the plan's offset). ``b`` (B, 1, 1, 1) and ``h`` (1, H, 1, 1)
-    are the batch and head indices.
+    are the batch and head indices. With explicit positions, ``q_pos``
+    (B, 1, T, 1) and ``k_pos`` (B, 1, 1, S) give every query's and key's
+    position instead (and there is no block rule: ranges do not describe them).
     """
 
     score_mod: ScoreMod | None
@@ -63,6 +65,8 @@ class BlockMods:
     b: Tensor
     h: Tensor
     key_start: int = 0
+    q_pos: Tensor | None = None
+    k_pos: Tensor | None = None
 
     def positions(self, rows: range, cols: range, offset: int) -> tuple[range, range]:
         first_q = self.key_start + offset
@@ -70,7 +74,10 @@ class BlockMods:
                 range(self.key_start + cols.start, self.key_start + cols.stop))
 
     def indices(self, rows: range, cols: range, offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(b, h, q_idx (1, 1, Tb, 1), kv_idx (1, 1, 1, Sb)) of one block."""
+        """(b, h, q_idx (1, 1, Tb, 1), kv_idx (1, 1, 1, Sb)) of one block; (B, 1, Tb, 1) and (B, 1, 1, Sb)
+        with explicit positions."""
+        if self.q_pos is not None and self.k_pos is not None:
+            return self.b, self.h, self.q_pos[:, :, rows.start:rows.stop], self.k_pos[..., cols.start:cols.stop]
         qs, ks = self.positions(rows, cols, offset)
         device = self.b.device
         q_idx = torch.arange(qs.start, qs.stop, device=device).view(1, 1, -1, 1)  # (1, 1, Tb, 1)
@@ -152,12 +159,19 @@ class BlockMods:
 
 
 def block_mods(score_mod: ScoreMod | None, mask_mod: MaskMod | None, *, batch: int, num_heads: int,
-               q_positions: range, kv_positions: range, device: torch.device) -> BlockMods:
-    """The :class:`BlockMods` of a call whose queries and keys sit at these positions."""
+               q_positions: range, kv_positions: range, device: torch.device,
+               explicit: tuple[Tensor, Tensor] | None = None) -> BlockMods:
+    """The :class:`BlockMods` of a call whose queries and keys sit at these positions.
+
+    ``explicit``: (queries (B, T), keys (B, S)) positions, long, that replace the ranges.
+    """
+    b, h, _, _ = index_grid(batch, num_heads, range(0), range(0), device)
+    if explicit is not None:
+        q_pos, k_pos = explicit
+        return BlockMods(score_mod, mask_mod, None, b, h, 0, q_pos[:, None, :, None], k_pos[:, None, None, :])
     rule = None
     if isinstance(mask_mod, MaskModifier):
         rule = mask_mod.block_rule(batch, q_positions, kv_positions)
-    b, h, _, _ = index_grid(batch, num_heads, range(0), range(0), device)
     return BlockMods(score_mod, mask_mod, rule, b, h, kv_positions.start)
 
 

@@ -19,12 +19,15 @@ from attnkit.functional.modifiers import Band, MaskMod, ScoreMod, and_masks, mod
 from .modifiers import (
     MASK_ARGS,
     SCORE_ARGS,
+    PresentKeys,
     additive_bias,
     apply_mask_mod,
     check_geometry,
     check_modifier,
     check_sinks,
     index_grid,
+    position_ranges,
+    positions_grid,
 )
 
 
@@ -42,6 +45,11 @@ class AttentionCall:
     :mod:`attnkit.functional.modifiers`); a call with either is *modified*,
     and its kernels read the band as a mask modifier too
     (:meth:`visibility_mod`). ``sinks`` (H,) are learned sink logits.
+
+    ``q_pos`` (B, T) and ``k_pos`` (B, S), long, are explicit positions (a
+    layer's, with a KV cache or packed rows): modifiers then receive them as
+    q_idx and kv_idx, the causal / window band is aligned by them, and keys
+    at -1 are hidden. A call with positions is modified.
     """
 
     q: Tensor  # (B, H, T, D)
@@ -55,11 +63,13 @@ class AttentionCall:
     score_mod: ScoreMod | None = None
     mask_mod: MaskMod | None = None
     sinks: Tensor | None = None  # (H,)
+    q_pos: Tensor | None = None  # (B, T) long
+    k_pos: Tensor | None = None  # (B, S) long, -1 = no key
 
     @property
     def modified(self) -> bool:
-        """Whether a score or mask modifier is given."""
-        return self.score_mod is not None or self.mask_mod is not None
+        """Whether a score or mask modifier (or explicit positions) is given."""
+        return self.score_mod is not None or self.mask_mod is not None or self.q_pos is not None
 
     @property
     def num_heads(self) -> int:
@@ -91,12 +101,21 @@ class AttentionCall:
     def kv_positions(self) -> range:
         return range(self.num_keys)
 
+    def indices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(b, h, q_idx, kv_idx) of the whole call, as the modifiers receive them (explicit positions if given)."""
+        if self.q_pos is not None and self.k_pos is not None:
+            return positions_grid(self.num_heads, self.q_pos, self.k_pos)
+        return index_grid(self.q.shape[0], self.num_heads, self.q_positions, self.kv_positions, self.q.device)
+
     def visibility_mod(self) -> MaskMod | None:
-        """The causal / window band as a mask modifier, and-ed with ``mask_mod``: what a modified call hides."""
-        band = Band(self.window) if self.causal else None
-        if band is None or self.mask_mod is None:
-            return band if self.mask_mod is None else self.mask_mod
-        return and_masks(band, self.mask_mod)
+        """The causal / window band as a mask modifier, and-ed with ``mask_mod`` (and, with explicit
+        positions, with :class:`PresentKeys`): what a modified call hides."""
+        parts: list[MaskMod] = [Band(self.window)] if self.causal else []
+        parts += [] if self.mask_mod is None else [self.mask_mod]
+        parts += [] if self.q_pos is None else [PresentKeys()]
+        if len(parts) < 2:
+            return parts[0] if parts else None
+        return and_masks(*parts)
 
     def band(self) -> Tensor | None:
         """The causal / window mask (T, S), True = may attend; None if it hides nothing."""
@@ -117,8 +136,7 @@ class AttentionCall:
         """
         if not self.modified:
             return combine_masks(self.mask, self.band())
-        b, h = self.q.shape[0], self.num_heads
-        idx = index_grid(b, h, self.q_positions, self.kv_positions, self.q.device)
+        idx = self.indices()
         mask = self.mask
         if self.score_mod is not None:
             additive = additive_bias(self.score_mod)
@@ -272,10 +290,12 @@ def check_scale(scale: object) -> None:
 def make_call(q: object, k: object, v: object, *, mask: object = None, key_mask: object = None,
               causal: object = False, window: object = None, scale: object = None, dropout_p: object = 0.0,
               score_mod: object = None, mask_mod: object = None, sinks: object = None,
-              mask_name: str = "mask") -> AttentionCall:
+              positions: tuple[Tensor, Tensor] | None = None, mask_name: str = "mask") -> AttentionCall:
     """Validate the arguments of :func:`attnkit.attention`; errors name the offending value.
 
     ``key_mask`` (B, S) and ``mask`` become one 4-d mask, checked here once.
+    ``positions``: explicit (queries (B, T), keys (B, S)) positions, long, as
+    a layer knows them (see :class:`AttentionCall`); checked by the layer.
     ``mask_name`` is how the caller calls ``mask`` (a layer's ``attn_mask``).
     """
     q, k, v = check_qkv(q, k, v)
@@ -288,16 +308,38 @@ def make_call(q: object, k: object, v: object, *, mask: object = None, key_mask:
         q.shape[-1] ** -0.5 if scale is None else float(scale),  # type: ignore[arg-type]
         float(dropout_p),  # type: ignore[arg-type]
     )
-    if score_mod is None and mask_mod is None and sinks is None:
+    if score_mod is None and mask_mod is None and sinks is None and positions is None:
         return call
-    return _with_modifiers(call, score_mod, mask_mod, sinks)
+    return _with_modifiers(call, score_mod, mask_mod, sinks, positions)
 
 
-def _with_modifiers(call: AttentionCall, score_mod: object, mask_mod: object, sinks: object) -> AttentionCall:
-    """``call`` with its modifiers and sinks, checked: callables of the right signature fitting its geometry."""
+def _with_modifiers(call: AttentionCall, score_mod: object, mask_mod: object, sinks: object,
+                    positions: tuple[Tensor, Tensor] | None) -> AttentionCall:
+    """``call`` with its modifiers, sinks and positions, checked: callables of the right signature fitting its
+    geometry."""
     check_modifier(score_mod, "score_mod", SCORE_ARGS)
     check_modifier(mask_mod, "mask_mod", MASK_ARGS)
-    for fn in (score_mod, mask_mod):
-        check_geometry(fn, call.q.shape[0], call.num_heads, call.q_positions, call.kv_positions)
+    q_pos, k_pos = _check_call_positions(positions, call)
+    if q_pos is None or not torch.compiler.is_compiling():  # the span of explicit positions is a host read
+        spans = (call.q_positions, call.kv_positions) if q_pos is None or k_pos is None else position_ranges(
+            q_pos, k_pos)
+        for fn in (score_mod, mask_mod):
+            check_geometry(fn, call.q.shape[0], call.num_heads, *spans)
     return AttentionCall(call.q, call.k, call.v, call.mask, call.causal, call.window, call.scale, call.dropout_p,
-                         score_mod, mask_mod, check_sinks(sinks, call.q))  # type: ignore[arg-type]
+                         score_mod, mask_mod, check_sinks(sinks, call.q), q_pos, k_pos)  # type: ignore[arg-type]
+
+
+def _check_call_positions(positions: tuple[Tensor, Tensor] | None, call: AttentionCall
+                          ) -> tuple[Tensor, Tensor] | tuple[None, None]:
+    """Explicit (queries (B, T), keys (B, S)) positions, long, on q's device; shapes checked."""
+    if positions is None:
+        return None, None
+    q_pos, k_pos = positions
+    b, t, s = call.q.shape[0], call.num_queries, call.num_keys
+    for name, pos, shape in (("query positions", q_pos, (b, t)), ("key positions", k_pos, (b, s))):
+        if not isinstance(pos, Tensor) or pos.dtype != torch.long or tuple(pos.shape) != shape:
+            got = f"{pos.dtype} {tuple(pos.shape)}" if isinstance(pos, Tensor) else type(pos).__name__
+            raise ValueError(f"{name} must be a torch.long {shape} tensor, got {got}")
+        if pos.device != call.q.device:
+            raise ValueError(f"{name} are on {pos.device} but q is on {call.q.device}")
+    return q_pos, k_pos

@@ -406,8 +406,11 @@ def _differentiable_grads(plan: BlockPlan, inputs: tuple[Tensor | None, ...], ma
         raise ValueError(f"the dense path aligns queries bottom-right (offset S - T = {k.shape[2] - q.shape[2]}), "
                          f"got a plan with offset={plan.offset}")
     mods = plan.mods
+    explicit = (None, None) if mods is None or mods.q_pos is None or mods.k_pos is None else (
+        mods.q_pos[:, 0, :, 0], mods.k_pos[:, 0, 0, :])  # (B, 1, T, 1) -> (B, T), (B, 1, 1, S) -> (B, S)
     call = AttentionCall(q, k, v, mask, plan.causal, plan.window, plan.scale, 0.0,
-                         None if mods is None else mods.score_mod, None if mods is None else mods.mask_mod, sinks)
+                         None if mods is None else mods.score_mod, None if mods is None else mods.mask_mod, sinks,
+                         *explicit)
     with torch.enable_grad():
         out = math_intermediates(call).out  # the math backend, differentiable: one dense reference
         grads = iter(torch.autograd.grad(out, wanted, dout, create_graph=True, allow_unused=True))
@@ -418,8 +421,10 @@ def _plan(call: AttentionCall) -> BlockPlan:
     if not call.modified:
         return block_plan(call.q, call.num_keys, causal=call.causal, scale=call.scale, offset=call.offset,
                           window=call.window)
+    explicit = None if call.q_pos is None or call.k_pos is None else (call.q_pos, call.k_pos)
     mods = block_mods(call.score_mod, call.visibility_mod(), batch=call.q.shape[0], num_heads=call.num_heads,
-                      q_positions=call.q_positions, kv_positions=call.kv_positions, device=call.q.device)
+                      q_positions=call.q_positions, kv_positions=call.kv_positions, device=call.q.device,
+                      explicit=explicit)
     return block_plan(call.q, call.num_keys, causal=False, scale=call.scale, offset=call.offset, mods=mods)
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 from attnkit.functional import combine_masks, expand_kv
 
 from .call import AttentionCall, compute_dtype
-from .modifiers import apply_mask_mod, apply_score_mod, index_grid
+from .modifiers import apply_mask_mod, apply_score_mod
 from .registry import Backend, register
 
 
@@ -43,7 +43,7 @@ def masked_scores(call: AttentionCall) -> Tensor:
 
 def _modified_scores(call: AttentionCall, scores: Tensor) -> Tensor:
     """score_mod on the scaled scores, then every mask: the call's, the band and mask_mod (-inf where hidden)."""
-    idx = index_grid(scores.shape[0], call.num_heads, call.q_positions, call.kv_positions, scores.device)
+    idx = call.indices()
     if call.score_mod is not None:
         scores = apply_score_mod(call.score_mod, scores, idx)
     if call.mask is not None and call.mask.dtype != torch.bool:

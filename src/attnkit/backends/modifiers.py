@@ -87,6 +87,35 @@ def index_grid(batch: int, num_heads: int, q_positions: range, kv_positions: ran
     return b, h, q_idx, kv_idx
 
 
+def positions_grid(num_heads: int, q_positions: Tensor, kv_positions: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (B, 1, T, 1), kv_idx (B, 1, 1, S)) from explicit positions.
+
+    ``q_positions`` (B, T) and ``kv_positions`` (B, S) are long, each row at
+    its own positions (-1: padding, or an empty cache slot).
+    """
+    batch, device = q_positions.shape[0], q_positions.device
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(num_heads, device=device).view(1, -1, 1, 1)
+    return b, h, q_positions[:, None, :, None], kv_positions[:, None, None, :]  # (B, T) -> (B, 1, T, 1) etc.
+
+
+class PresentKeys(MaskModifier):
+    """Hides keys at position -1 (empty cache slots, padding): what explicit positions add to a call's mask."""
+
+    def __repr__(self) -> str:
+        return "present_keys()"
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx >= 0  # (B, 1, 1, S)
+
+
+def position_ranges(q_positions: Tensor, kv_positions: Tensor) -> tuple[range, range]:
+    """The span of explicit positions as ranges, for the built-ins' checks (one host read)."""
+    low = int(q_positions.clamp_min(0).min())
+    return range(low, int(q_positions.max()) + 1), range(0, int(kv_positions.max()) + 1)
+
+
 def _scores_shape(idx: tuple[Tensor, ...]) -> tuple[int, int, int, int]:
     b, h, q_idx, kv_idx = idx
     return b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3]

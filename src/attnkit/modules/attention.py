@@ -11,9 +11,11 @@ import torch
 from torch import Tensor, nn
 
 from attnkit.backends.kernel import Kernel, KernelRequest, check_kernel
+from attnkit.backends.modifiers import MASK_ARGS, SCORE_ARGS, check_modifier
 from attnkit.functional import RotaryEmbedding, position_mask
+from attnkit.functional.modifiers import MaskMod, ScoreMod, and_masks, modifier_name
 
-from .heads import AttentionHeads, Heads, factory_kwargs
+from .heads import AttentionHeads, Heads, Modifiers, factory_kwargs
 from .kv_cache import Cache, CachedKeys, check_cache, check_positions, transaction
 
 
@@ -79,6 +81,21 @@ class MultiHeadAttention(AttentionHeads):
             after the projection, before the rotary embedding:
             ``qk_norm(q, k) -> (q, k)``, e.g.
             :class:`~attnkit.functional.norm.QKNorm` of two RMSNorms (Gemma 3).
+        score_mod: a score modifier in FlexAttention's form,
+            ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (e.g.
+            ``alibi(H)``, ``softcap(50.0)`` from
+            :mod:`attnkit.functional.modifiers`), applied on every call at the
+            tokens' true positions: what a KV cache holds and explicit
+            ``positions`` included, so cached decoding gives what the full
+            forward gives. An ``nn.Module`` modifier is registered as a
+            submodule (its parameters train and save with the layer).
+        mask_mod: a mask modifier, ``mask_mod(b, h, q_idx, kv_idx) -> bool``
+            (True = may attend; e.g. ``prefix_lm(n)``, ``sink_window(4, 1024)``),
+            and-ed with ``causal`` / ``window`` and with any ``mask_mod`` given
+            to :meth:`forward`.
+        sinks: learned sink logits (H,), one per query head, in every softmax
+            denominator (gpt-oss): an ``nn.Parameter`` trains with the layer,
+            another tensor is kept as a buffer.
         backend: kernel for :func:`attnkit.attention` ("auto", "sdpa",
             "chunked", "math"; asking for weights uses "math" under "auto"),
             or a kernel component (:mod:`attnkit.backends.kernel`) such as
@@ -98,6 +115,7 @@ class MultiHeadAttention(AttentionHeads):
     def __init__(self, d_in: int, d_out: int, num_heads: int | Heads, *, num_kv_heads: int | None = None,
                  causal: bool = True, dropout: float = 0.0, qkv_bias: bool = False, out_bias: bool = True,
                  rope: bool | RotaryEmbedding = False, window: int | None = None, qk_norm: nn.Module | None = None,
+                 score_mod: ScoreMod | None = None, mask_mod: MaskMod | None = None, sinks: Tensor | None = None,
                  backend: str | Kernel = "auto", device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         factory = factory_kwargs(device, dtype)
@@ -105,13 +123,27 @@ class MultiHeadAttention(AttentionHeads):
                          dropout=dropout, out_bias=out_bias, backend=backend, factory=factory)
         self.rope = _make_rope(rope, self.head_dim)
         self.qk_norm = _check_qk_norm(qk_norm)
+        check_modifier(score_mod, "score_mod", SCORE_ARGS)
+        check_modifier(mask_mod, "mask_mod", MASK_ARGS)
+        self.score_mod, self.mask_mod = score_mod, mask_mod  # an nn.Module is registered as a submodule
+        self.sinks: Tensor | None
+        if sinks is not None:
+            _check_layer_sinks(sinks, self.num_heads)
+        if isinstance(sinks, nn.Parameter) or sinks is None:
+            self.sinks = sinks  # a parameter is registered as one
+        else:
+            self.register_buffer("sinks", sinks)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(d_in, q_size + 2 * kv_size, bias=qkv_bias, **factory)
         self._sizes = (q_size, kv_size, kv_size)
 
     def extra_repr(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
-        return (f"{self._heads_repr()}, causal={self.causal}{window}, dropout={self.dropout}, "
+        mods = "".join(f", {name}={modifier_name(fn)}" for name, fn in (("score_mod", self.score_mod),
+                                                                          ("mask_mod", self.mask_mod))
+                       if fn is not None and not isinstance(fn, nn.Module))
+        sinks = "" if self.sinks is None else f", sinks=({self.num_heads},)"
+        return (f"{self._heads_repr()}, causal={self.causal}{window}{mods}{sinks}, dropout={self.dropout}, "
                 f"backend={self.backend!r}")
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -132,7 +164,7 @@ class MultiHeadAttention(AttentionHeads):
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, key_mask: Tensor | None = None,
                 attn_mask: Tensor | None = None, kv_cache: Cache | None = None, need_weights: bool = False,
-                parallel: object = None) -> Tensor | tuple[Tensor, Tensor]:
+                mask_mod: MaskMod | None = None, parallel: object = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from x (B, T, d_in) to itself (and to what ``kv_cache`` holds).
 
         Args:
@@ -152,6 +184,9 @@ class MultiHeadAttention(AttentionHeads):
                 stored in it and attention covers all it holds. A call that
                 raises leaves the cache as it was.
             need_weights: also return the weights (B, H, T, S).
+            mask_mod: a mask modifier for this call alone (e.g. a
+                ``document_mask`` of packed sequences), and-ed with the
+                layer's; it reads the same positions as the layer's modifiers.
             parallel: removed; context parallelism is a kernel component
                 given as ``backend`` (``MultiHeadAttention(...,
                 backend=ContextParallel(...))`` or ``layer.backend = ...``).
@@ -163,6 +198,8 @@ class MultiHeadAttention(AttentionHeads):
                             "once as the layer's backend: MultiHeadAttention(..., backend=ContextParallel(...)) "
                             "or layer.backend = ContextParallel(...)")
         self.check_x(x)
+        check_modifier(mask_mod, "mask_mod", MASK_ARGS)
+        mods = self._modifiers(mask_mod)
         b, t, _ = x.shape
         if not isinstance(self.backend, str):  # the kernel checks the call (on every rank) and may place its tokens
             check_kernel(self.backend)  # also when set after construction (layer.backend = ...)
@@ -174,13 +211,20 @@ class MultiHeadAttention(AttentionHeads):
         if kv_cache is None:
             q, k = self._rotate(q, k, 0 if positions is None else positions)
             return self._attend(q, CachedKeys(k, v, positions), 0 if positions is None else positions,
-                                key_mask, attn_mask, need_weights)
+                                key_mask, attn_mask, need_weights, mods)
         cache = check_cache(kv_cache)
         with transaction([cache], [self]):
             at = cache.next_positions(b, t, x.device) if positions is None else positions  # int: a plain prefix
             q, k = self._rotate(q, k, at)
             keys = cache.update(k, v, at if isinstance(at, Tensor) else None)  # (B, G, S, D)
-            return self._attend(q, keys, at, key_mask, attn_mask, need_weights)
+            return self._attend(q, keys, at, key_mask, attn_mask, need_weights, mods)
+
+    def _modifiers(self, mask_mod: MaskMod | None) -> Modifiers | None:
+        """The layer's modifiers and sinks, with this call's mask modifier and-ed in; None if there are none."""
+        if mask_mod is not None and self.mask_mod is not None:
+            mask_mod = and_masks(self.mask_mod, mask_mod)
+        mods = Modifiers(self.score_mod, self.mask_mod if mask_mod is None else mask_mod, self.sinks)
+        return None if mods.empty else mods
 
     def _request(self, x: Tensor, positions: object, attn_mask: object, kv_cache: object,
                  need_weights: object) -> KernelRequest:
@@ -200,7 +244,8 @@ class MultiHeadAttention(AttentionHeads):
         return self.rope(q, k, positions=positions)  # each row at its own positions
 
     def _attend(self, q: Tensor, keys: CachedKeys, positions: int | Tensor, key_mask: Tensor | None,
-                attn_mask: Tensor | None, need_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
+                attn_mask: Tensor | None, need_weights: bool, mods: Modifiers | None
+                ) -> Tensor | tuple[Tensor, Tensor]:
         """Attention over what the cache handed back; the band from positions when they are explicit.
 
         A kernel component attends by the positions its ``prepare`` gave (it knows the band itself).
@@ -208,27 +253,36 @@ class MultiHeadAttention(AttentionHeads):
         of a long cache) are left out before attention instead of masked, so a
         decoding step reads window keys, not the whole cache (unless weights
         over every key are asked for, or under torch.compile with explicit
-        positions, where finding them would synchronise).
+        positions, where finding them would synchronise). With modifiers,
+        every key stays (they read positions) and explicit positions go to
+        :func:`attnkit.attention` itself, which aligns the band by them.
         """
         if not isinstance(self.backend, str):
-            return self.attend_with(self.backend, q, keys.k, keys.v, key_mask=key_mask)
+            return self.attend_with(self.backend, q, keys.k, keys.v, key_mask=key_mask, modifiers=mods)
         b, _, t, _ = q.shape
         k, v, s = keys.k, keys.v, keys.k.shape[2]
+        modified = mods is not None and mods.modified
         plain_keys = key_mask is None or (isinstance(key_mask, Tensor) and key_mask.shape == (b, s))
         w = self.window if self.causal and attn_mask is None and not need_weights and plain_keys else None
+        w = None if modified else w
         if keys.positions is None and not isinstance(positions, Tensor):  # a plain prefix: the symbolic band
             if w is not None and s > w + t - 1:  # keys before the last window + T - 1 are hidden from every query
                 first = s - (w + t - 1)
                 k, v, key_mask = k[:, :, first:], v[:, :, first:], _keys_from(key_mask, first)  # (B, G, S', D)
-            return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights)
+            return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights,
+                               modifiers=mods)
         q_pos = positions if isinstance(positions, Tensor) else (positions + torch.arange(t, device=q.device)).expand(
             b, t)  # (B, T)
         k_pos = keys.positions if keys.positions is not None else torch.arange(s, device=q.device).expand(b, s)
+        if modified:  # the modifiers and the band read the positions themselves
+            return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights,
+                               modifiers=mods, positions=(q_pos, k_pos))
         band = position_mask(q_pos, k_pos, causal=self.causal, window=self.window)  # (B, 1, T, S)
         if w is not None and s > 2 * w and not torch.compiler.is_compiling():
             first = int(band.any(dim=(0, 1, 2)).int().argmax())  # the first key any query may see (one sync)
             k, v, band, key_mask = k[:, :, first:], v[:, :, first:], band[..., first:], _keys_from(key_mask, first)
-        return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights, band=band)
+        return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights, band=band,
+                           modifiers=mods)
 
     def torch_problems(self) -> list[str]:
         """What ``torch.nn.MultiheadAttention`` cannot express of this layer (beyond what the converter checks)."""
@@ -241,6 +295,15 @@ class MultiHeadAttention(AttentionHeads):
 
         self.check_torch_equivalent()
         return to_torch(self, batch_first=batch_first)
+
+
+def _check_layer_sinks(sinks: object, num_heads: int) -> Tensor:
+    """A floating-point (H,) tensor: one sink logit per query head."""
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (num_heads,):
+        got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a floating-point (num_heads,) = ({num_heads},) tensor (an nn.Parameter to "
+                         f"learn them), one logit per query head; got {got}")
+    return sinks
 
 
 def _keys_from(key_mask: Tensor | None, first: int) -> Tensor | None:

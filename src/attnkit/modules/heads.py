@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from attnkit.backends import check_backend, check_options, make_call, run
 from attnkit.backends.kernel import Kernel, check_kernel
 from attnkit.functional import combine_masks
+from attnkit.functional.modifiers import MaskMod, ScoreMod
 
 
 def positive_int(name: str, value: object) -> int:
@@ -80,6 +81,27 @@ class Heads:
         head_dim = d_out // self.num_heads if self.head_dim is None else self.head_dim
         return (self.num_heads, self.num_heads if self.num_kv_heads is None else self.num_kv_heads, head_dim,
                 head_dim**-0.5 if self.scale is None else float(self.scale))
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """What one call hands :func:`attnkit.attention` besides q, k, v: score and mask modifiers, sinks (H,)."""
+
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
+    sinks: Tensor | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.score_mod is None and self.mask_mod is None and self.sinks is None
+
+    @property
+    def modified(self) -> bool:
+        """Whether scores or visibility change (sinks alone change neither)."""
+        return self.score_mod is not None or self.mask_mod is not None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return {"score_mod": self.score_mod, "mask_mod": self.mask_mod, "sinks": self.sinks}
 
 
 class AttentionHeads(nn.Module):
@@ -170,11 +192,15 @@ class AttentionHeads(nn.Module):
         return x
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, key_mask: object, attn_mask: object,
-               need_weights: object, band: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+               need_weights: object, band: Tensor | None = None, modifiers: Modifiers | None = None,
+               positions: tuple[Tensor, Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attention over q (B, H, T, D), k, v (B, G, S, D), merged and projected: (B, T, d_out).
 
         ``band`` (B, 1, T, S) bool, from explicit positions, replaces the layer's
         causal / window band (which is otherwise aligned bottom-right by index).
+        ``modifiers`` go to :func:`attnkit.attention` as they are; with them,
+        ``positions`` (queries (B, T), keys (B, S)) are the positions the
+        modifiers and the band read, in place of ``band``.
         """
         if not isinstance(need_weights, bool):
             raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
@@ -182,17 +208,25 @@ class AttentionHeads(nn.Module):
             raise TypeError(f"attend runs a backend by name, got {type(self.backend).__name__}: a kernel component "
                             "goes through attend_with")
         causal, window = (self.causal, self.window) if band is None else (False, None)
+        mods = Modifiers() if modifiers is None else modifiers
         call = make_call(q, k, v, mask=attn_mask, key_mask=key_mask, causal=causal, window=window, scale=self.scale,
-                         dropout_p=self.dropout if self.training else 0.0, mask_name="attn_mask")
+                         dropout_p=self.dropout if self.training else 0.0, score_mod=mods.score_mod,
+                         mask_mod=mods.mask_mod, sinks=mods.sinks, positions=positions, mask_name="attn_mask")
         if band is not None:
             call = replace(call, mask=combine_masks(call.mask, band))
         result = run(call, backend=self.backend, return_weights=need_weights)
         out, weights = result if isinstance(result, tuple) else (result, None)
         return (self.merge(out), weights) if weights is not None else self.merge(out)
 
-    def attend_with(self, kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None) -> Tensor:
-        """Attention by a kernel component (after its ``prepare``), merged and projected: (B, T, d_out)."""
-        out = kernel.attention(q, k, v, causal=self.causal, key_mask=key_mask, scale=self.scale)
+    def attend_with(self, kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None,
+                    modifiers: Modifiers | None = None) -> Tensor:
+        """Attention by a kernel component (after its ``prepare``), merged and projected: (B, T, d_out).
+
+        ``modifiers`` are passed on as keywords only when there are some, so a
+        kernel without modifiers keeps working for layers without them.
+        """
+        extra = {} if modifiers is None or modifiers.empty else modifiers.as_kwargs()
+        out = kernel.attention(q, k, v, causal=self.causal, key_mask=key_mask, scale=self.scale, **extra)
         return self.merge(out)  # (B, H, T, D) -> (B, T, d_out)
 
     def merge(self, out: Tensor) -> Tensor:
