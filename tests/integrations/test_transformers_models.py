@@ -123,26 +123,3 @@ def test_from_pretrained_and_from_config_accept_attnkit(tmp_path) -> None:
         out = loaded.eval()(ids, attention_mask=mask, output_attentions=True)
     assert out.attentions[0] is not None  # weights come back: it really ran attnkit, not sdpa
 
-
-def test_gemma2_soft_capping_raises_not_implemented() -> None:
-    """A model that asks for logit soft-capping gets an error naming it, never uncapped attention."""
-    config = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=1, head_dim=8,
-                                       attn_logit_softcapping=50.0)
-    torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(config).eval()
-    model.set_attn_implementation("attnkit")
-    with pytest.raises(NotImplementedError, match=r"soft-capping.*softcap=50\.0"):
-        model(torch.randint(0, 64, (1, 5)))
-
-
-def test_sinks_raise_not_implemented() -> None:
-    """GPT-OSS's learned sinks (s_aux) are refused by name."""
-    config = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                       num_local_experts=2, num_experts_per_tok=1)
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config).eval()
-    model.set_attn_implementation("attnkit")
-    with pytest.raises(NotImplementedError, match=r"sinks.*s_aux"):
-        model(torch.randint(0, 64, (1, 5)))

@@ -93,11 +93,9 @@ def test_dropout_only_in_training_mode() -> None:
     assert (trained - plain).abs().max() > 1e-2
 
 
+# soft-capping and learned sinks are computed, not refused: tests/integrations/test_transformers_mods.py
 @pytest.mark.parametrize(("kwargs", "pattern"), [
-    ({"softcap": 30.0}, r"soft-capping: _Module passed softcap=30\.0"),
-    ({"s_aux": torch.zeros(H)}, r"sinks: _Module passed s_aux=<tensor of shape \(4,\)>"),
-    ({"sinks": torch.zeros(H)}, r"sinks"),
-    ({"position_bias": torch.zeros(1, H, T, T)}, r"position bias"),
+    ({"position_bias": torch.zeros(1, H, T, T)}, r"an additive position bias: _Module passed position_bias=<tensor"),
     ({"block_indices": 3}, r"an argument attnkit does not know: _Module passed block_indices=3"),
 ])
 def test_what_attnkit_cannot_compute_raises_not_implemented(kwargs: dict, pattern: str) -> None:

@@ -20,10 +20,17 @@ then computes attention with :func:`attnkit.attention`:
 - grouped-query attention: keys and values keep their G heads (no repeat).
 - ``scaling`` is attnkit's ``scale``; ``dropout`` applies only while the
   module is in training mode.
+- logit soft-capping (Gemma 2's ``softcap=c``) is attnkit's
+  ``score_mod=softcap(c)``: c * tanh(s / c) on the scaled scores, before the
+  mask, as in transformers' eager attention.
+- learned attention sinks (gpt-oss's ``s_aux``, or ``sinks``), one logit per
+  query head (H,), are attnkit's ``sinks=``: one more term exp(sinks[h]) in
+  each row's softmax denominator, dropped after the softmax (rows sum to less
+  than 1); gradients reach them. Per-token sinks of another shape are refused.
 - ``output_attentions=True`` returns the real weights (B, H, T, S), computed
-  by the math backend (taken before dropout).
-- What attnkit cannot compute (logit soft-capping, attention sinks, a
-  position bias, any other argument that would change the result) raises
+  by the math backend (taken before dropout; soft-capped, without the sink).
+- What attnkit cannot compute (a position bias, sinks that are not one logit
+  per head, any other argument that would change the result) raises
   NotImplementedError naming it: never a silently different result.
 
 Legend: B batch, H query heads, G key/value heads, T queries, S keys, D head dim.
@@ -41,6 +48,7 @@ from torch import Tensor, nn
 
 from attnkit._optional import MissingDependencyError, install_hint
 from attnkit.backends import BACKENDS, attention, check_mask
+from attnkit.functional import modifiers
 
 NAME = "attnkit"
 MIN_TRANSFORMERS = "5.0"
@@ -60,9 +68,6 @@ _HARMLESS = frozenset({
 })
 # Features that change the math and that attnkit does not compute.
 _UNSUPPORTED = {
-    "softcap": "logit soft-capping",
-    "s_aux": "learned attention sinks",
-    "sinks": "learned attention sinks",
     "position_bias": "an additive position bias",
 }
 
@@ -172,9 +177,37 @@ def _band(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, is_causa
     return key, value, causal, sliding_window
 
 
+def _score_mod(module: nn.Module, softcap: float | None) -> modifiers.Softcap | None:
+    """attnkit's ``softcap(c)`` score modifier for transformers' ``softcap=c``, or ValueError naming the value."""
+    if softcap is None:
+        return None
+    try:
+        return modifiers.softcap(softcap)
+    except ValueError as err:
+        raise ValueError(f"{type(module).__name__} passed softcap={_short(softcap)}: {err}") from err
+
+
+def _sinks(module: nn.Module, query: Tensor, s_aux: Tensor | None, sinks: Tensor | None) -> Tensor | None:
+    """The (H,) sink logits transformers passes as ``s_aux`` (gpt-oss) or ``sinks``; refuses any other shape."""
+    if s_aux is not None and sinks is not None and s_aux is not sinks:
+        raise ValueError(f"{type(module).__name__} passed both s_aux={_short(s_aux)} and sinks={_short(sinks)}: "
+                         "expected one tensor of learned sink logits")
+    name, logits = ("s_aux", s_aux) if s_aux is not None else ("sinks", sinks)
+    if logits is None:
+        return None
+    heads = query.shape[1]
+    if not isinstance(logits, Tensor) or tuple(logits.shape) != (heads,):
+        raise NotImplementedError(
+            f"attnkit computes learned attention sinks of shape (H,) = ({heads},), one logit per query head: "
+            f"{type(module).__name__} passed {name}={_short(logits)}. "
+            "Use attn_implementation='eager' (or another implementation the model supports).")
+    return logits
+
+
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, sliding_window: int | None = None, *,
+                      softcap: float | None = None, s_aux: Tensor | None = None, sinks: Tensor | None = None,
                       backend: str = "auto", **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """transformers' attention-function signature, computed by :func:`attnkit.attention`.
 
@@ -189,6 +222,11 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         is_causal: overrides ``module.is_causal``; used only without a mask.
         sliding_window: each query sees its W most recent keys (HF's
             ``i - W < j <= i``); used only without a mask (a mask holds it).
+        softcap: logit soft-capping c: scores become c * tanh(s / c) after
+            scaling and before the mask (Gemma 2); None: no capping.
+        s_aux: learned sink logits (H,), one per query head (gpt-oss): each
+            row's softmax denominator gains exp(s_aux[h]); gradients reach it.
+        sinks: the same as ``s_aux``, under the name some models use.
         backend: attnkit backend for calls without weights.
         kwargs: ``output_attentions=True`` asks for weights; see the module
             docstring for what else is accepted.
@@ -203,7 +241,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     else:
         causal, window = False, None  # transformers' mask already holds the causal and window pattern
     options: dict[str, Any] = dict(mask=mask, causal=causal, window=window, scale=scaling,
-                                   dropout_p=float(dropout) if module.training else 0.0)
+                                   dropout_p=float(dropout) if module.training else 0.0,
+                                   score_mod=_score_mod(module, softcap), sinks=_sinks(module, query, s_aux, sinks))
     weights: Tensor | None = None
     if _weights_requested(kwargs):
         out, weights = attention(query, key, value, backend="math", return_weights=True, **options)
