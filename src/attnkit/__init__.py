@@ -16,12 +16,21 @@
 from .backends import attention
 from .functional import RotaryEmbedding
 from .inspect import trace
-from .modules import CrossAttention, Heads, KVCache, MultiHeadAttention, StaticKVCache, from_textbook, from_torch
+from .modules import (
+    CrossAttention,
+    Heads,
+    KVCache,
+    MultiHeadAttention,
+    SinkCache,
+    StaticKVCache,
+    from_textbook,
+    from_torch,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CrossAttention", "Heads", "KVCache", "MultiHeadAttention", "RotaryEmbedding", "StaticKVCache", "attention",
-    "from_textbook", "from_torch",
+    "CrossAttention", "Heads", "KVCache", "MultiHeadAttention", "RotaryEmbedding", "SinkCache", "StaticKVCache",
+    "attention", "from_textbook", "from_torch",
     "trace",
 ]

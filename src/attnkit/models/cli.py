@@ -3,6 +3,7 @@
     attnkit generate "Once upon a time"
     attnkit generate --chat "What is the capital of France?"
     attnkit generate --model gemma3 "The capital of France is"   # a base model: it continues text, no --chat
+    attnkit generate --cache sink:4,1020 --max-new-tokens 20000 "Once upon a time"   # constant memory
     attnkit chat                     # /help lists the commands; Ctrl-C stops an answer; Ctrl-D ends
 
 Text streams to stdout; loading progress, speed (tokens/s) and notes go to stderr.
@@ -63,6 +64,10 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
                    + "; ".join(f"{name}: {what}" for name, what in MODELS.items()))
     p.add_argument("--gguf", metavar="FILE", help="a Llama- or Gemma 3-architecture GGUF file instead of a "
                    "packaged model")
+    p.add_argument("--cache", default="full", metavar="full|sink:SINKS,WINDOW[,CHUNK]",
+                   help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
+                   "first 4 tokens and a recent window of 1020 (StreamingLLM), in constant memory and with no "
+                   "limit on --max-new-tokens")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -89,7 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace, *, chat: bool) -> None:
     """Reject bad options before the (slow) model load; ``chat``: the prompt goes through a chat template."""
-    from attnkit.models.generation import Sampler
+    from attnkit.models.generation import Sampler, SinkSpec
 
     if args.gguf is not None and args.model is not None:
         raise ValueError(f"--model {args.model} and --gguf name two models: give one")
@@ -103,6 +108,7 @@ def _check(args: argparse.Namespace, *, chat: bool) -> None:
     if args.weights not in (None, "float32") and args.dtype != "float32":
         raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
     Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value
+    SinkSpec.parse(args.cache)
 
 
 def _stderr() -> Any:
@@ -195,9 +201,10 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
     """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``)."""
     import torch
 
-    from attnkit.models.generation import GenerationStats, IncrementalDecoder, generate_steps
+    from attnkit.models.generation import GenerationStats, IncrementalDecoder, SinkSpec, generate_steps
 
-    room = model.context_length - len(ids)
+    endless = SinkSpec.parse(args.cache) is not None  # sink caches: no limit on new tokens
+    room = args.max_new_tokens if endless else model.context_length - len(ids)
     if room < 1:
         raise ValueError(f"the prompt has {len(ids)} tokens, no room left in the model's context length "
                          f"{model.context_length}")
@@ -206,7 +213,7 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
     stats, text, pieces, last = GenerationStats(), IncrementalDecoder(model.decode), [], -1
     try:
         steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stats=stats)
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, stats=stats)
         for token in steps:  # (1,)
             last = int(token[0])
             pieces.append(_write(text.add(last)))

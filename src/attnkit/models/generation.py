@@ -14,6 +14,12 @@ after storing ``input_ids`` in the caches. The loop then
 4. stops a row at a stop id (later tokens of that row are the pad id) and
    the whole batch when every row has stopped.
 
+The caches are the model's (``new_caches``: growing, or static under
+``compile``), or with ``cache="sink:SINKS,WINDOW"`` one
+:class:`attnkit.modules.sink_cache.SinkCache` per layer: constant memory,
+as many new tokens as asked for (past the context length), the prompt fed in
+pieces that keep the cache's bound.
+
 Padding: a left-padded row's padding gets position -1 (a key nobody sees)
 and its real tokens positions 0, 1, ..., so each row computes exactly what
 it computes alone. :func:`decode_step` has no host synchronisation: with
@@ -35,6 +41,7 @@ import torch
 from torch import Tensor
 
 from attnkit.modules.kv_cache import Cache
+from attnkit.modules.sink_cache import SinkCache
 
 from .sampling import Sampler, row_seeds
 
@@ -60,6 +67,59 @@ class CausalLM(Protocol):
 
 
 @dataclass(frozen=True)
+class SinkSpec:
+    """``cache="sink:SINKS,WINDOW[,CHUNK]"``: one :class:`SinkCache` per attention layer (see its arguments)."""
+
+    sinks: int
+    window: int
+    chunk: int = 64
+
+    def __post_init__(self) -> None:
+        SinkCache(sinks=self.sinks, window=self.window, chunk=self.chunk, rope=None)  # raises naming a bad count
+
+    @classmethod
+    def parse(cls, cache: object) -> SinkSpec | None:
+        """None for "full" (the model's own caches); a SinkSpec for "sink:4,1020" or "sink:4,1020,64"."""
+        if isinstance(cache, SinkSpec) or cache == "full":
+            return cache if isinstance(cache, SinkSpec) else None
+        text = cache if isinstance(cache, str) else ""
+        kind, _, numbers = text.partition(":")
+        parts = numbers.split(",")
+        if kind.strip() != "sink" or len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f'cache must be "full" (the default: a cache that grows) or "sink:SINKS,WINDOW" or '
+                             f'"sink:SINKS,WINDOW,CHUNK" (attention sinks and a recent window, e.g. "sink:4,1020"), '
+                             f"got cache={cache!r}")
+        return cls(*(int(p) for p in parts))
+
+    @property
+    def capacity(self) -> int:
+        """The most positions a cache holds (:attr:`SinkCache.capacity`)."""
+        return self.sinks + self.window + self.chunk - 1
+
+    def caches(self, model: object) -> list[Cache]:
+        """One SinkCache per attention layer of ``model`` (its blocks' ``attention``), with that layer's rope."""
+        return sink_caches(model, sinks=self.sinks, window=self.window, chunk=self.chunk)
+
+    def pieces(self, length: int) -> list[int]:
+        """The sizes a prompt of ``length`` tokens is fed in: as much as fits the bound, then a chunk at a time."""
+        first = min(length, self.capacity)
+        rest = length - first
+        return [first] + [self.chunk] * (rest // self.chunk) + ([rest % self.chunk] if rest % self.chunk else [])
+
+
+def sink_caches(model: object, *, sinks: int = 4, window: int = 1020, chunk: int = 64) -> list[Cache]:
+    """One :class:`SinkCache` per attention layer of a decoder, each with its own layer's rotary embedding.
+
+    The layers are ``model.layers[i].attention`` (:class:`attnkit.models.decoder.DecoderModel`'s blocks).
+    """
+    attentions: list[Any] = [getattr(block, "attention", None) for block in getattr(model, "layers", None) or []]
+    if not attentions or not all(hasattr(attention, "rope") for attention in attentions):
+        raise TypeError(f"sink caches need a decoder whose blocks hold their attention layer as `attention` "
+                        f"(model.layers[i].attention, as attnkit's decoders do); {type(model).__name__} has none")
+    return [SinkCache(sinks=sinks, window=window, chunk=chunk, rope=attention.rope) for attention in attentions]
+
+
+@dataclass(frozen=True)
 class GenerationOptions:
     """How to generate: every keyword of :func:`generate`, checked once.
 
@@ -75,6 +135,10 @@ class GenerationOptions:
             None = the model's end-of-turn / end-of-text ids, [] = never stop early.
         compile: run each decoding step as one compiled graph over static
             caches (the first call compiles: seconds; later ones reuse it).
+        cache: "full" (default: the model's caches, every position kept) or
+            "sink:SINKS,WINDOW[,CHUNK]" (a :class:`SinkSpec`): attention sinks
+            and a recent window in constant memory, with no limit on new
+            tokens; prompts without padding, not with ``compile``.
     """
 
     max_new_tokens: int = 128
@@ -84,7 +148,9 @@ class GenerationOptions:
     seed: int | Sequence[int] | None = None
     stop_ids: Sequence[int] | None = None
     compile: bool = False
+    cache: str | SinkSpec = "full"
     sampler: Sampler = field(init=False, repr=False, compare=False)
+    sink: SinkSpec | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -93,11 +159,15 @@ class GenerationOptions:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got compile={self.compile!r}")
         object.__setattr__(self, "sampler", Sampler(self.temperature, self.top_k, self.top_p))
+        object.__setattr__(self, "sink", SinkSpec.parse(self.cache))
+        if self.sink is not None and self.compile:
+            raise ValueError(f"compile=True runs over static caches, and cache={self.cache!r} is not one (its "
+                             "evictions change the shapes): use one or the other")
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> GenerationOptions:
         """Options from keywords; an unknown keyword is named with the known ones."""
-        known = [name for name in cls.__dataclass_fields__ if name != "sampler"]
+        known = [name for name in cls.__dataclass_fields__ if name not in ("sampler", "sink")]
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise TypeError(f"unknown generation option {unknown[0]!r}; known: {', '.join(known)}")
@@ -170,10 +240,15 @@ def check_prompt_mask(input_ids: Tensor, attention_mask: object) -> Tensor | Non
 
 def _check_budget(model: CausalLM, prompt_len: int, options: GenerationOptions) -> tuple[int, ...]:
     max_new_tokens = options.max_new_tokens
-    if prompt_len > model.context_length:
+    if options.sink is not None:
+        if options.sink.capacity > model.context_length:
+            raise ValueError(f"cache={options.cache!r} holds up to {options.sink.capacity} positions (sinks + window + "
+                             f"chunk - 1), beyond the model's context length {model.context_length}: choose a "
+                             "smaller window")
+    elif prompt_len > model.context_length:
         raise ValueError(f"the prompt has {prompt_len} tokens, more than the model's context length "
                          f"{model.context_length}; shorten it (nothing is truncated)")
-    if prompt_len + max_new_tokens > model.context_length:
+    elif prompt_len + max_new_tokens > model.context_length:
         raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens={max_new_tokens} exceeds the model's "
                          f"context length {model.context_length}; ask for at most "
                          f"{model.context_length - prompt_len} new tokens")
@@ -230,6 +305,9 @@ def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | 
     opts = GenerationOptions.of(options)
     ids = check_input_ids(model, input_ids)
     mask = check_prompt_mask(ids, attention_mask)
+    if mask is not None and opts.sink is not None:
+        raise ValueError(f"cache={opts.cache!r} assigns positions inside the cache, one for every row: give "
+                         "prompts of one length, without padding (or one prompt at a time)")
     stops = _check_budget(model, ids.shape[1], opts)
     seeds = row_seeds(opts.seed, ids.shape[0], ids.device)
     return _steps(model, ids, mask, opts, seeds, stops, stats or GenerationStats())
@@ -252,7 +330,10 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
            stops: tuple[int, ...], stats: GenerationStats) -> Iterator[Tensor]:
     b, t = ids.shape
     stop_ids = torch.tensor(stops, dtype=torch.long, device=ids.device)  # (n_stops,)
-    caches = model.new_caches(t + opts.max_new_tokens, static=opts.compile)
+    if opts.sink is None:
+        caches = model.new_caches(t + opts.max_new_tokens, static=opts.compile)
+    else:
+        caches = opts.sink.caches(model)  # constant memory; positions assigned inside each cache
     positions = prompt_positions(mask)  # (B, T) or None
     if positions is None and opts.compile:  # a static cache takes explicit positions in the compiled step
         positions = torch.arange(t, device=ids.device).expand(b, t)
@@ -263,7 +344,7 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
     stats.prompt_tokens, stats.new_tokens = b * t, 0
     begin = time.perf_counter()
     with torch.inference_mode():
-        logits = model.step(ids, positions, caches)  # (B, V)
+        logits = _prefill(model, ids, positions, caches, opts.sink)  # (B, V)
         state = _choose(model, logits, state, opts.sampler, seeds, stop_ids)  # the first new token, at start
     stats.prefill_seconds, begin = time.perf_counter() - begin, time.perf_counter()
     for n in range(opts.max_new_tokens):
@@ -277,6 +358,18 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
             return
 
 
+def _prefill(model: CausalLM, ids: Tensor, positions: Tensor | None, caches: Sequence[Cache],
+             sink: SinkSpec | None) -> Tensor:
+    """Logits (B, V) of the prompt's last token; sink caches take it in pieces that keep their bound."""
+    if sink is None:
+        return model.step(ids, positions, caches)
+    start = 0
+    for size in sink.pieces(ids.shape[1]):
+        logits = model.step(ids[:, start : start + size], None, caches)  # (B, size) -> (B, V)
+        start += size
+    return logits
+
+
 def generate(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None = None, *,
              stats: GenerationStats | None = None, **options: Any) -> Tensor:
     """Prompt plus new tokens, (B, T + n) long, n <= max_new_tokens.
@@ -286,7 +379,7 @@ def generate(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None =
         attention_mask: (B, T) bool or 0/1, True/1 = real token; None = all real.
         stats: filled with token counts and timings.
         options: :class:`GenerationOptions` (max_new_tokens, temperature,
-            top_k, top_p, seed, stop_ids, compile).
+            top_k, top_p, seed, stop_ids, compile, cache).
     """
     new = list(generate_steps(model, input_ids, attention_mask, stats=stats, **options))
     return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)  # (B, T) + (B, n) -> (B, T + n)

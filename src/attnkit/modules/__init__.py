@@ -5,6 +5,7 @@ from .convert import from_textbook, from_torch, to_torch
 from .cross import CrossAttention
 from .heads import Heads
 from .kv_cache import Cache, KVCache, StaticKVCache
+from .sink_cache import SinkCache
 
-__all__ = ["Cache", "CrossAttention", "Heads", "KVCache", "MultiHeadAttention", "StaticKVCache", "from_textbook",
-           "from_torch", "to_torch"]
+__all__ = ["Cache", "CrossAttention", "Heads", "KVCache", "MultiHeadAttention", "SinkCache", "StaticKVCache",
+           "from_textbook", "from_torch", "to_torch"]
