@@ -99,7 +99,20 @@ def _serve(options: Options) -> list[Row]:
     return run_serve_suite()
 
 
-ROW_SUITES: dict[str, Callable[[Options], list[Row]]] = {"generate": _generate, "ring": _ring, "serve": _serve}
+def _mods(options: Options) -> list[Row]:
+    from .mods import ModsSuite, run_mods_suite
+
+    return run_mods_suite(ModsSuite.from_options(options), log=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _streaming(options: Options) -> list[Row]:
+    from .streaming import run_streaming_suite
+
+    return run_streaming_suite(options)
+
+
+ROW_SUITES: dict[str, Callable[[Options], list[Row]]] = {"generate": _generate, "ring": _ring, "serve": _serve,
+                                                         "mods": _mods, "streaming": _streaming}
 
 
 def _generate_plot(rows: list[Row], out: Path) -> list[Path]:
@@ -149,7 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "another size = the batched case's prompts; default 1,8)")
     p.add_argument("--seq-lens", "--lengths", type=_csv(int),
                    help="sequence lengths (context lengths for decode; generate: batch-1 prompt lengths, "
-                   "default 16,4000,7900; gemma3: 16,2000)")
+                   "default 16,4000,7900; gemma3: 16,2000; mods: L or L,S, its long and short lengths, "
+                   "default 8192,2048)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses "
