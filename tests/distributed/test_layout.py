@@ -39,8 +39,9 @@ def _work(world: int, layout: str, rank: int, tick: int | None = None) -> float:
     pieces = spec.pieces()
     phases = [_phase(t, world, len(pieces), 1) for t in (range(len(pieces) * world) if tick is None else [tick])]
     share = 1 / len(pieces)  # of a chunk, per piece
-    return sum(share * (1 if causal is False else 0.5) for index, hops in phases
-               for _, _, causal, _ in _blocks(spec, (rank - hops) % world, pieces[index]))
+    q = torch.empty(1, 1, spec.length // world, 1)  # (B, H, n, D): only its shape plans the blocks
+    return sum(share * (1 if plan.causal is False else 0.5) for index, hops in phases
+               for _, _, plan in _blocks(spec, q, (rank - hops) % world, pieces[index]))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -59,7 +60,8 @@ def test_causal_ring_skips_hidden_blocks_and_zigzag_balances_them(world):
 
 def test_non_causal_ring_computes_every_pair():
     spec = _Spec(False, 1.0, "zigzag", 0, 2, None, 16)
-    assert all(len(_blocks(spec, src, keys)) == 4 for src in range(2) for keys in spec.pieces())
+    q = torch.empty(1, 1, 8, 1)  # (B, H, n, D)
+    assert all(len(_blocks(spec, q, src, keys)) == 4 for src in range(2) for keys in spec.pieces())
 
 
 @pytest.mark.parametrize(("layout", "world", "length", "rows"), [

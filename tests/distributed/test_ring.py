@@ -17,7 +17,7 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 from attnkit.distributed import ContextParallel, ring_attention, shard_positions
 from attnkit.distributed.launch import WorldTimeoutError, run_world
 
-from . import workers
+from . import modifier_cases, workers
 
 WORLDS = (1, 2, 4)
 _RESULTS: dict[int, list[dict[str, str]]] = {}
@@ -32,15 +32,18 @@ def _world_results(world: int) -> list[dict[str, str]]:
 def _names() -> list[str]:
     names = [workers.case_name("exact", *c[:3], f"H{c[3][0]}G{c[3][1]}", c[4]) for c in workers.EXACT_CASES]
     names += [workers.case_name("layer", *c) for c in workers.LAYER_CASES] + workers.OTHER_CASES
+    names += modifier_cases.NAMES
     return names + [workers.case_name("error", kind) for kind in workers.ERROR_CASES]
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", _names())
 def test_ring_case_on_every_rank(world, case):
-    """Outputs and gradients equal single-process attention (exact-*, with a scale too), a layer whose backend is
-    ContextParallel equals the single-process layer (layer-*), ring_timing reads the ring's profiler ranges, and
-    bad arguments raise the same ValueError on every rank (error-*)."""
+    """Outputs and gradients equal single-process attention (exact-*, with a scale too; mods-*: with score / mask
+    modifiers at global positions and learned sinks), a layer whose backend is ContextParallel equals the
+    single-process layer (layer-*, mods-layer-*), a block rule skips the pairs it hides (mods-skipping-*),
+    ring_timing reads the ring's profiler ranges, and bad arguments raise the same ValueError on every rank
+    (error-*)."""
     if world == 1 and case.startswith("error"):
         pytest.skip("ranks that disagree need two ranks")
     for rank, results in enumerate(_world_results(world)):

@@ -19,6 +19,9 @@ import torch.distributed as dist
 import attnkit
 from attnkit.backends import chunked
 from attnkit.distributed import ContextParallel, ring, ring_attention, ring_timing, shard, unshard
+from attnkit.functional import alibi, document_mask, prefix_lm, sink_window
+
+from . import modifier_cases
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 LAYOUTS = ("contiguous", "zigzag")
@@ -32,7 +35,9 @@ LAYER_CASES = [(layout, causal, dtype) for layout in LAYOUTS for causal in (Fals
                for dtype in ("float32", "float64")]
 ERROR_CASES = ["heads", "dtype", "layout", "causal", "length", "bad-key-mask", "odd-zigzag", "shard-length",
                "grads-on-one-rank", "unshard-lengths", "layer-dropout-on-one-rank", "layer-odd-shard-on-one-rank",
-               "layer-kv-cache", "shard-dim", "not-a-strategy", "scale", "bad-scale", "layer-positions-on-one-rank"]
+               "layer-kv-cache", "shard-dim", "not-a-strategy", "scale", "bad-scale", "layer-positions-on-one-rank",
+               "score-mod-on-one-rank", "mask-mods-differ", "sinks-on-one-rank", "bad-sinks",
+               "sinks-grad-on-one-rank", "doc-ids-of-the-shard", "mask-mod-not-bool", "score-mod-wrong-shape"]
 OTHER_CASES = ["exact-scale", "ring-timing"]
 
 
@@ -153,19 +158,56 @@ def layer_case(layout: str, causal: bool, dtype_name: str) -> None:
 
 
 def timing_case() -> None:
-    """ring_timing sums the ring's profiler ranges (computing on every rank, waiting where there are peers) within
-    the block's wall time, and any profiler sees the same ranges."""
+    """ring_timing sums the ring's ranges (computing on every rank, waiting where there are peers) within the
+    block's wall time; an inner block counts only its own calls, a closed block nothing more; every range is a
+    torch.profiler.record_function range of the ring's names (what any profiler sees). No profiler runs here: a
+    profiler leaves kineto's config thread in the process (suspected in a rank's abort at exit)."""
     world = dist.get_world_size()
     q = torch.randn(1, 2, 8 * world, 8, requires_grad=True)
+    names: list[str] = []
+    real = ring.record_function
+
+    def recorded(name: str):
+        names.append(name)
+        return real(name)
+
     start = time.perf_counter()
-    with ring_timing() as spent:
+    with mock.patch.object(ring, "record_function", recorded), ring_timing() as spent:
         ring_attention(q, q, q, causal=True).sum().backward()
+        with ring_timing() as inner:
+            ring_attention(q, q, q, causal=True).sum().backward()
+        nested = (inner.compute_s, inner.wait_s)
     elapsed = time.perf_counter() - start
     assert spent.compute_s > 0 and (spent.wait_s > 0 or world == 1), spent
     assert spent.compute_s + spent.wait_s <= elapsed, (spent, elapsed)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        ring_attention(q, q, q, causal=True).sum().backward()
-    assert {ring.COMPUTE_EVENT, ring.WAIT_EVENT} <= {event.name for event in prof.events()}
+    assert 0 < inner.compute_s < spent.compute_s and inner.wait_s <= spent.wait_s, (inner, spent)
+    ring_attention(q, q, q, causal=True).sum().backward()  # after both blocks: counted by neither
+    assert (inner.compute_s, inner.wait_s) == nested
+    assert set(names) == {ring.COMPUTE_EVENT, ring.WAIT_EVENT}, set(names)
+
+
+_MOD_ERRORS: dict[str, tuple[Callable[[bool], dict], str]] = {  # modifiers: (rank 1 odd?) -> arguments, message
+    "score-mod-on-one-rank": (lambda odd: dict(score_mod=alibi(4) if odd else None),
+                              r"ranks disagree on score_mod: rank 0 has None, rank 1 has 'alibi\(4 heads\)'"),
+    "mask-mods-differ": (lambda odd: dict(mask_mod=sink_window(1, 2) if odd else prefix_lm(2)),
+                         r"ranks disagree on mask_mod: rank 0 has 'or_masks\(causal\(\), prefix_length=2\)'"),
+    "sinks-on-one-rank": (lambda odd: dict(sinks=torch.zeros(4) if odd else None),
+                          r"ranks disagree on sinks given: rank 0 has False, rank 1 has True"),
+    "bad-sinks": (lambda odd: dict(sinks=torch.zeros(3 if odd else 4)),
+                  r"invalid arguments on rank 1: sinks must be a floating-point \(H,\) = \(4,\) tensor"),
+    "sinks-grad-on-one-rank": (lambda odd: dict(sinks=torch.zeros(4, requires_grad=odd)),
+                               r"ranks disagree on gradients needed: rank 0 has False, rank 1 has True"),
+    "doc-ids-of-the-shard": (lambda odd: dict(mask_mod=document_mask(torch.zeros(4, dtype=torch.long))),
+                             r"rank 0: document_mask\(doc_ids \(4,\)\): doc_ids must label positions 0 \.\. "
+                             r"{last} .*; rank 1: document_mask"),  # the whole sequence's T - 1, not n - 1
+    "mask-mod-not-bool": (lambda odd: dict(mask_mod=(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx).float())
+                                           if odd else None),
+                          r"invalid arguments on rank 1: mask_mod .*<lambda> returned a torch.float32 tensor; "
+                          r"expected a bool tensor"),
+    "score-mod-wrong-shape": (lambda odd: dict(score_mod=lambda s, b, h, q_idx, kv_idx: s.flatten()),
+                              r"rank 0: score_mod .*<lambda> returned shape \(4,\); expected the scores' shape "
+                              r"\(1, 4, 1, 1\)"),
+}
 
 
 def _error_args(kind: str, rank: int) -> tuple[dict, str]:
@@ -191,6 +233,8 @@ def _error_args(kind: str, rank: int) -> tuple[dict, str]:
         args.update(scale=0.5)
     elif kind == "bad-scale" and odd:
         args.update(scale=-1.0)
+    elif kind in _MOD_ERRORS:
+        args.update(_MOD_ERRORS[kind][0](odd))
     expected = {
         "heads": r"ranks disagree on query heads H: rank 0 has 4, rank 1 has 2",
         "dtype": r"ranks disagree on dtype: rank 0 has 'torch.float32', rank 1 has 'torch.float64'",
@@ -201,6 +245,8 @@ def _error_args(kind: str, rank: int) -> tuple[dict, str]:
         "odd-zigzag": r"rank 0: a 'zigzag' shard holds 2 equal chunks, so its length n=3 must be even",
         "scale": r"ranks disagree on scale: rank 0 has None, rank 1 has 0.5",
         "bad-scale": r"invalid arguments on rank 1: scale must be a positive finite number or None, got scale=-1.0",
+        **{name: message.replace("{last}", str(4 * dist.get_world_size() - 1))
+           for name, (_, message) in _MOD_ERRORS.items()},
     }[kind]
     return args, expected
 
@@ -235,6 +281,7 @@ def run_cases(rank: int, world: int) -> dict[str, str]:
         cases[case_name("layer", *c)] = lambda c=c: layer_case(*c)
     cases["exact-scale"] = lambda: exact_case("zigzag", True, "float64", (4, 2), "rank-padding", scale=0.3)
     cases["ring-timing"] = timing_case
+    cases.update(modifier_cases.cases())
     for kind in ERROR_CASES if world > 1 else ():  # one rank has no peer to disagree with
         cases[case_name("error", kind)] = lambda kind=kind: error_case(kind)
     results = {}

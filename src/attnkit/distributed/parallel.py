@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit.backends.kernel import KernelRequest
+from attnkit.functional.modifiers import MaskMod, ScoreMod
 
 from .checks import check_agreement
 from .layout import check_layout, num_chunks, rank_and_world, shard, shard_positions, unshard
@@ -39,14 +40,19 @@ class ContextParallel:
       and every rank raises the same ValueError if any rank's call is wrong,
       before any rank starts the ring; it returns the global positions
       (B, n) of this rank's tokens, at which the layer rotates q and k;
-    - ``attention(q, k, v, *, causal, key_mask, scale)`` -> (B, H, n, Dv):
-      :func:`ring_attention` over q (B, H, n, D), k, v (B, G, n, D)
-      (grouped-query heads unexpanded) and key_mask bool (B, n), True = real
-      token, or None.
+    - ``attention(q, k, v, *, causal, key_mask, scale, score_mod=None,
+      mask_mod=None, sinks=None)`` -> (B, H, n, Dv): :func:`ring_attention`
+      over q (B, H, n, D), k, v (B, G, n, D) (grouped-query heads
+      unexpanded) and key_mask bool (B, n), True = real token, or None. The
+      layer's score / mask modifiers see the tokens' global positions in the
+      whole sequence (a document mask labels all T positions), and its
+      learned sinks join every row's softmax.
 
     The output is this rank's rows of the single-process layer's output; the
     gradients of the (replicated) parameters summed over ranks (an
-    all-reduce, as data parallelism does) are the single-process gradients.
+    all-reduce, as data parallelism does) are the single-process gradients,
+    learned sinks and a modifier's learned tensors (ALiBi slopes, a cap)
+    included.
 
     Args:
         group: the process group to split across (default: the world).
@@ -83,10 +89,12 @@ class ContextParallel:
         return shard_positions(local_len * self.world, layout=self.layout, group=self.group, device=device)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None = None,
-                  scale: float | None = None) -> Tensor:
-        """Exact attention of this rank's queries over every rank's keys: (B, H, n, Dv)."""
+                  scale: float | None = None, score_mod: ScoreMod | None = None, mask_mod: MaskMod | None = None,
+                  sinks: Tensor | None = None) -> Tensor:
+        """Exact attention of this rank's queries over every rank's keys, modifiers at global positions:
+        (B, H, n, Dv)."""
         return ring_attention(q, k, v, causal=causal, key_mask=key_mask, scale=scale, layout=self.layout,
-                              group=self.group)
+                              group=self.group, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
 
     def shard(self, x: Tensor, dim: int = 1) -> Tensor:
         """This rank's part of a whole-sequence tensor, e.g. (B, T, C) -> (B, n, C)."""

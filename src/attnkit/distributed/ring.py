@@ -16,11 +16,22 @@ kernel (:func:`attnkit.backends.chunked.block_forward`) and merged into the
 running output by log-sum-exps (:func:`~attnkit.backends.chunked.merge_into`),
 so the result is exact; pairs the causal band hides entirely are skipped.
 
+Score and mask modifiers (FlexAttention's form, see
+:mod:`attnkit.functional.modifiers`) see global positions: each pair's
+:class:`~attnkit.backends.blockmods.BlockMods` places its query chunk and key
+piece where they sit in the whole sequence, the causal band becomes a mask
+modifier, and a built-in's block rule skips the pairs it hides before anything
+is computed (as it skips blocks inside the kernel). Learned sinks join each
+row's log-sum-exp once, after every piece is merged.
+
 The backward pass (a custom autograd Function) recomputes each pair with the
 global log-sum-exp. Key / value gradients travel with their piece, two ticks
 a hop (computed, then sent while the next piece is computed), and after the
 last rank go home to the rank that owns them: no rank ever holds the whole
-sequence. Grouped-query keys and values travel with their G heads.
+sequence. Grouped-query keys and values travel with their G heads. The
+gradients of sinks and of the tensors a score modifier closes over are each
+rank's share (from its own queries), summed over ranks as a replicated
+parameter's are.
 
 Legend: B batch, H query heads, G key/value heads, n positions per rank, D
 head dim, Dv value head dim, P ranks, C chunks per rank (1 or 2), m pieces
@@ -29,9 +40,11 @@ per shard, L positions of a chunk in one piece.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,10 +52,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
-from attnkit.backends.chunked import block_backward, block_forward, block_plan, merge_into, softmax_delta
-from attnkit.functional import Visibility, block_visibility, key_padding_to_mask
+from attnkit.backends.blockmods import BlockMods, block_mods
+from attnkit.backends.call import compute_dtype
+from attnkit.backends.chunked import BlockPlan, block_forward, block_gradients, block_plan, merge_into, softmax_delta
+from attnkit.backends.modifiers import add_sinks, sink_grad
+from attnkit.functional import Visibility, and_masks, block_visibility, key_padding_to_mask
+from attnkit.functional import causal as causal_band
+from attnkit.functional.modifiers import MaskMod, ScoreMod
 
-from .checks import check_agreement, describe
+from .checks import captured_by, check_agreement, describe
 from .layout import chunk_positions, rank_and_world
 
 _PIECES = 8  # pieces per shard: two in flight are n / 4 positions at any P
@@ -61,23 +79,48 @@ class RingTimes:
     wait_s: float = 0.0
 
 
+_OPEN_TIMINGS: list[RingTimes] = []  # the ring_timing blocks open now, in any thread; empty outside them
+_TIMINGS_LOCK = threading.Lock()
+
+
 @contextmanager
 def ring_timing() -> Iterator[RingTimes]:
-    """This process's compute and wait time of every ring call in the block, filled in when it ends.
+    """This process's compute and wait time of every ring call in the block, as the ring runs.
 
     The ring marks its work with ``torch.profiler.record_function`` ranges
-    (:data:`COMPUTE_EVENT`, :data:`WAIT_EVENT`); this block runs a CPU
-    profiler and sums their wall time. Any other profiler (e.g. one that
-    exports a trace) sees the same ranges.
+    (:data:`COMPUTE_EVENT`, :data:`WAIT_EVENT`), which any profiler sees
+    (e.g. one that exports a trace); this block adds up their wall time
+    itself, without a profiler (which would cost time and memory in the
+    block, and leaves a thread of its own in the process). Work in every
+    thread counts (a backward pass on an autograd device thread included);
+    nested blocks each count all of it.
     """
     times = RingTimes()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with _TIMINGS_LOCK:
+        _OPEN_TIMINGS.append(times)
+    try:
         yield times
-    for event in prof.events():
-        if event.name == COMPUTE_EVENT:
-            times.compute_s += event.time_range.elapsed_us() / 1e6
-        elif event.name == WAIT_EVENT:
-            times.wait_s += event.time_range.elapsed_us() / 1e6
+    finally:
+        with _TIMINGS_LOCK:
+            _OPEN_TIMINGS[:] = [t for t in _OPEN_TIMINGS if t is not times]
+
+
+@contextmanager
+def _timed(event: str) -> Iterator[None]:
+    """A profiler range named ``event`` whose wall time goes to every open :func:`ring_timing` block."""
+    start = time.perf_counter()
+    try:
+        with record_function(event):
+            yield
+    finally:
+        if _OPEN_TIMINGS:
+            elapsed = time.perf_counter() - start
+            with _TIMINGS_LOCK:
+                for times in _OPEN_TIMINGS:
+                    if event == COMPUTE_EVENT:
+                        times.compute_s += elapsed
+                    else:
+                        times.wait_s += elapsed
 
 
 def _piece_rows(chunk: int) -> int:
@@ -96,6 +139,7 @@ class _Spec:
     world: int
     group: Any
     length: int  # T, the whole sequence
+    mods: BlockMods | None = None  # score / mask modifiers over the whole sequence (the causal band included)
 
     def peer(self, step: int) -> int:
         """The global rank of this rank's neighbour ``step`` places along the ring."""
@@ -143,33 +187,40 @@ class _Exchange:
         self.works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> list[Tensor]:
-        with record_function(WAIT_EVENT):
+        with _timed(WAIT_EVENT):
             for work in self.works:
                 work.wait()
         return self.received
 
 
-def _blocks(spec: _Spec, src: int, keys: range) -> list[tuple[slice, slice, bool, int]]:
-    """(piece columns, local query rows, causal, offset) of each (query chunk, key chunk part) pair not hidden.
+def _blocks(spec: _Spec, q: Tensor, src: int, keys: range) -> list[tuple[slice, slice, BlockPlan]]:
+    """(piece columns, local query rows, plan) of each (query chunk, key chunk part) pair not hidden.
 
     A piece of rank ``src`` holds positions ``keys`` of each of its chunks, one
-    after the other; offset is the difference of the first global positions
-    of the query chunk and the key part (query i sees key j when j <= i + offset).
+    after the other; a plan's offset is the difference of the first global
+    positions of the query chunk and the key part (query i sees key j when
+    j <= i + offset), and its modifiers start at the key part's global position.
     """
     q_chunks = spec.chunks(spec.rank)
     size, width = len(q_chunks[0]), len(keys)
     out = []
     for c, k_chunk in enumerate(spec.chunks(src)):
         cols = slice(c * width, (c + 1) * width)
+        first_key = k_chunk.start + keys.start
+        mods = None if spec.mods is None else replace(spec.mods, key_start=first_key)
         for a, q_chunk in enumerate(q_chunks):
-            offset = q_chunk.start - (k_chunk.start + keys.start)
-            causal = spec.causal
-            if causal:
+            offset = q_chunk.start - first_key
+            if mods is not None:
+                seen = mods.visibility(range(size), range(width), offset)  # the block rule, or None: unknown
+            elif spec.causal:
                 seen = block_visibility(range(size), range(width), offset=offset, causal=True, window=None)
-                if seen is Visibility.NONE:
-                    continue  # keys after every query of this chunk: skipped, never computed
-                causal = seen is Visibility.SOME  # only pairs that cross the diagonal need the band
-            out.append((cols, slice(a * size, (a + 1) * size), causal, offset))
+            else:
+                seen = Visibility.ALL
+            if seen is Visibility.NONE:
+                continue  # hidden from every query of this chunk: skipped, never computed
+            causal = mods is None and seen is Visibility.SOME  # only pairs that cross the diagonal need the band
+            plan = block_plan(q, width, causal=causal, scale=spec.scale, offset=offset, mods=mods)
+            out.append((cols, slice(a * size, (a + 1) * size), plan))
     return out
 
 
@@ -199,7 +250,9 @@ def _ring_forward(spec: _Spec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     size = q.shape[2] // chunks
     local = [k, v] if mask is None else [k, v, mask]
     last = spec.world - 1
-    acc: tuple[Tensor, Tensor] | None = None  # (out, lse), made by the first visible pair
+    compute = compute_dtype(q.dtype)
+    acc = (torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device),  # (B, H, n, Dv)
+           torch.full(q.shape[:-1], -torch.inf, dtype=compute, device=q.device))  # (B, H, n): nothing seen yet
     arrived: list[Tensor] = []
     for tick in range(len(pieces) * spec.world):
         index, hops = _phase(tick, spec.world, len(pieces), 1)  # type: ignore[misc]  # never idle
@@ -208,39 +261,48 @@ def _ring_forward(spec: _Spec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
         coming = [] if following is None or following[1] == 0 else [
             _buffer(x, chunks * len(pieces[following[0]])) for x in local]
         exchange = _Exchange(spec, held if hops < last else [], coming)
-        with record_function(COMPUTE_EVENT):
-            acc = _forward_piece(spec, q, (spec.rank - hops) % spec.world, pieces[index], held, acc)
+        with _timed(COMPUTE_EVENT):
+            _forward_piece(spec, q, (spec.rank - hops) % spec.world, pieces[index], held, acc)
         arrived = exchange.wait()
-    assert acc is not None  # every rank's own diagonal chunk is visible
     return acc
 
 
 def _forward_piece(spec: _Spec, q: Tensor, src: int, keys: range, held: list[Tensor],
-                   acc: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor] | None:
+                   acc: tuple[Tensor, Tensor]) -> None:
     """Merge this rank's attention over one piece of rank ``src`` into ``acc`` = (out (B, H, n, Dv), lse (B, H, n))."""
     kp, vp, *mp = held
-    for cols, rows, causal, offset in _blocks(spec, src, keys):
-        plan = block_plan(q, cols.stop - cols.start, causal=causal, scale=spec.scale, offset=offset)
+    for cols, rows, plan in _blocks(spec, q, src, keys):
         o, s = block_forward(plan, q[:, :, rows], kp[:, :, cols], vp[:, :, cols],
                              _key_mask4(mp[0][:, cols] if mp else None))
-        if acc is None:
-            acc = (torch.zeros(*q.shape[:-1], vp.shape[-1], dtype=o.dtype, device=q.device),  # (B, H, n, Dv)
-                   torch.full(q.shape[:-1], -torch.inf, dtype=s.dtype, device=q.device))  # (B, H, n)
         merge_into(acc[0][:, :, rows], acc[1][:, :, rows], o, s)
-    return acc
 
 
-def _ring_backward(spec: _Spec, saved: tuple[Tensor, ...], mask: Tensor | None, dout: Tensor
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in the compute dtype; key / value gradients travel with their piece and come home."""
-    q, k, v, out, lse = saved
-    compute = out.dtype
-    delta = softmax_delta(dout, out, compute)  # (B, H, n)
-    dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+@dataclass
+class _Queries:
+    """This rank's side of the backward pass: its queries' tensors, and the gradients they collect.
+
+    q (B, H, n, D), dout (B, H, n, Dv), lse and delta (B, H, n) in the compute
+    dtype, dq (B, H, n, D); ``captured``: the tensors the score modifier closes
+    over, whose gradients (this rank's share) add up in ``dcaptured``.
+    """
+
+    q: Tensor
+    dout: Tensor
+    lse: Tensor
+    delta: Tensor
+    dq: Tensor
+    captured: tuple[Tensor, ...] = ()
+    dcaptured: list[Tensor | None] = field(default_factory=list)
+
+
+def _ring_backward(spec: _Spec, k: Tensor, v: Tensor, mask: Tensor | None, mine: _Queries) -> tuple[Tensor, Tensor]:
+    """(dk, dv) in the compute dtype, adding into ``mine``'s dq; key / value gradients travel with their
+    piece and come home."""
+    compute = mine.dq.dtype
     dk = torch.zeros(k.shape, dtype=compute, device=k.device)  # (B, G, n, D): filled piece by piece at home
     dv = torch.zeros(v.shape, dtype=compute, device=v.device)
     pieces, chunks = spec.pieces(), len(spec.chunks(0))
-    size = q.shape[2] // chunks
+    size = k.shape[2] // chunks
     local = [k, v] if mask is None else [k, v, mask]
     last = spec.world - 1
 
@@ -269,9 +331,8 @@ def _ring_backward(spec: _Spec, saved: tuple[Tensor, ...], mask: Tensor | None, 
         if now is not None:
             index, hops = now
             held = own_piece(index) if hops == 0 else arrived
-            with record_function(COMPUTE_EVENT):
-                _backward_piece(spec, (q, dout, lse, delta, dq), (spec.rank - hops) % spec.world,
-                                pieces[index], held)
+            with _timed(COMPUTE_EVENT):
+                _backward_piece(spec, mine, (spec.rank - hops) % spec.world, pieces[index], held)
             done = (index, hops, held)
             if not last:  # one rank: the piece is home after its only computation
                 home(index, held[-2:])
@@ -280,33 +341,37 @@ def _ring_backward(spec: _Spec, saved: tuple[Tensor, ...], mask: Tensor | None, 
             arrived = received
         elif coming is not None:  # rank r - 1 was the piece's last stop: its gradients are this rank's
             home(coming[0], received)
-    return dq, dk, dv
+    return dk, dv
 
 
-def _backward_piece(spec: _Spec, rows_of_q: tuple[Tensor, ...], src: int, keys: range,
-                    held: list[Tensor]) -> None:
-    """Add this rank's share of one piece's gradients: into dq, and into the piece's own dk, dv.
-
-    ``rows_of_q`` = (q, dout, lse, delta, dq) of this rank; ``held`` = the
-    piece's k, v, (key mask,) dk, dv.
-    """
-    q, dout, lse, delta, dq = rows_of_q
+def _backward_piece(spec: _Spec, mine: _Queries, src: int, keys: range, held: list[Tensor]) -> None:
+    """Add this rank's share of one piece's gradients: into dq (and the captured tensors'), and into the
+    piece's own dk, dv (``held`` = the piece's k, v, (key mask,) dk, dv)."""
     kp, vp, *mp, dkp, dvp = held
-    for cols, rows, causal, offset in _blocks(spec, src, keys):
-        plan = block_plan(q, cols.stop - cols.start, causal=causal, scale=spec.scale, offset=offset)
-        dq_b, dk_b, dv_b = block_backward(plan, q[:, :, rows], kp[:, :, cols], vp[:, :, cols],
-                                          _key_mask4(mp[0][:, cols] if mp else None),
-                                          dout[:, :, rows], lse[:, :, rows], delta[:, :, rows])
-        dq[:, :, rows] += dq_b
+    for cols, rows, plan in _blocks(spec, mine.q, src, keys):
+        dq_b, dk_b, dv_b, dcaptured = block_gradients(
+            plan, mine.q[:, :, rows], kp[:, :, cols], vp[:, :, cols], _key_mask4(mp[0][:, cols] if mp else None),
+            mine.dout[:, :, rows], mine.lse[:, :, rows], mine.delta[:, :, rows], mine.captured)
+        mine.dq[:, :, rows] += dq_b
         dkp[:, :, cols] += dk_b
         dvp[:, :, cols] += dv_b
+        for i, grad in enumerate(dcaptured):
+            if grad is not None:
+                total = mine.dcaptured[i]
+                mine.dcaptured[i] = grad if total is None else total + grad
 
 
 class _RingFunction(torch.autograd.Function):
+    """out = ring attention of q, k, v (and sinks); inputs q, k, v, mask, spec, sinks or None, then the
+    tensors the score modifier closes over, which receive this rank's share of their gradients."""
+
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: _Spec) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: _Spec,
+                sinks: Tensor | None, *captured: Tensor) -> Tensor:
         out, lse = _ring_forward(spec, q, k, v, mask)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)  # (B, H, n, Dv), (B, H, n) over keys and sink
+        ctx.save_for_backward(q, k, v, out, lse, mask, sinks, *captured)
         ctx.spec = spec
         return out.to(q.dtype)
 
@@ -315,14 +380,30 @@ class _RingFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("ring_attention has no double backward (create_graph=True / torch.func.grad); "
                                "take second-order gradients of a single-process attnkit.attention instead")
-        *saved, mask = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.spec, tuple(saved), mask, dout.contiguous())
-        q, k, v = saved[:3]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        q, k, v, out, lse, mask, sinks, *captured = ctx.saved_tensors
+        delta = softmax_delta(dout, out, out.dtype)  # (B, H, n)
+        mine = _Queries(q, dout.contiguous(), lse, delta, torch.zeros(q.shape, dtype=out.dtype, device=q.device),
+                        tuple(captured), [None] * len(captured))
+        dk, dv = _ring_backward(ctx.spec, k, v, mask, mine)
+        dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[5] else None
+        dcaptured = [None if g is None else g.to(x.dtype) for g, x in zip(mine.dcaptured, captured, strict=True)]
+        return mine.dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks, *dcaptured
+
+
+def _modifiers(q: Tensor, causal: bool, score_mod: ScoreMod | None, mask_mod: MaskMod | None,
+               length: int) -> BlockMods | None:
+    """The modifiers of the whole sequence (0 .. length - 1), the causal band and-ed into the mask modifier."""
+    if score_mod is None and mask_mod is None:
+        return None
+    band = causal_band() if causal else None
+    visibility = mask_mod if band is None else band if mask_mod is None else and_masks(band, mask_mod)
+    return block_mods(score_mod, visibility, batch=q.shape[0], num_heads=q.shape[1], q_positions=range(length),
+                      kv_positions=range(length), device=q.device)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_mask: Tensor | None = None,
-                   scale: float | None = None, layout: str = "zigzag", group: dist.ProcessGroup | None = None
+                   scale: float | None = None, layout: str = "zigzag", group: dist.ProcessGroup | None = None,
+                   score_mod: ScoreMod | None = None, mask_mod: MaskMod | None = None, sinks: Tensor | None = None
                    ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``: this rank's output shard.
 
@@ -338,11 +419,23 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key
         layout: "zigzag" (balanced under causal) or "contiguous"; how the
             sequence was split (see :func:`attnkit.distributed.shard`).
         group: the process group (default: the world).
+        score_mod, mask_mod: modifiers in FlexAttention's form, as
+            :func:`attnkit.attention` takes them, of the *whole* sequence:
+            q_idx and kv_idx are global positions 0 .. T - 1 (what a document
+            mask's ids or a prefix length label), whichever rank holds them.
+            mask_mod is and-ed with ``causal`` and ``key_mask``; a built-in's
+            block rule skips the pairs it hides. Every rank passes the same.
+        sinks: (H,) learned sink logits, one per query head, or None, as
+            :func:`attnkit.attention` takes them. Every rank passes the same.
 
     Returns:
         out (B, H, n, Dv): this rank's rows of softmax(q k^T * scale) v over
         the whole sequence; a query that sees no key gets 0. Differentiable
-        (once) in q, k and v.
+        (once) in q, k and v, and in ``sinks`` and the tensors ``score_mod``
+        closes over (learned slopes, a learned cap): these get this rank's
+        share, from its own queries, so that their gradients summed over
+        ranks (an all-reduce, as for any replicated parameter) are the
+        single-process gradients.
 
     Memory: besides its own tensors, a rank holds two travelling pieces of
     keys and values (1/8 of a shard each, at least 128 positions of each
@@ -351,14 +444,19 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key
 
     Raises:
         ValueError, on every rank, when the ranks disagree on shapes, dtype,
-        device type, layout, causal, scale or the presence of a key mask (one small
-        all-gather before the ring), when one rank's arguments are invalid,
-        or when no process group is initialised.
+        device type, layout, causal, scale, the presence of a key mask or
+        sinks, the modifiers (by name) or whether gradients are needed (one
+        small all-gather before the ring), when one rank's arguments are
+        invalid (a modifier is checked at the whole sequence's positions and
+        evaluated once at (0, 0)), or when no process group is initialised.
     """
     rank, world = rank_and_world(group)
     meta = check_agreement(describe(q, k, v, causal=causal, key_mask=key_mask, scale=scale, layout=layout,
-                                    world=world), rank=rank, world=world, group=group)
+                                    world=world, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks),
+                           rank=rank, world=world, group=group)
     scale = q.shape[-1] ** -0.5 if meta["scale"] is None else meta["scale"]
-    spec = _Spec(causal, scale, layout, rank, world, group, meta["shard length n"] * world)
+    length = meta["shard length n"] * world  # T
+    spec = _Spec(causal, scale, layout, rank, world, group, length, _modifiers(q, causal, score_mod, mask_mod, length))
+    captured = captured_by(score_mod, q, length) if meta["gradients needed"] else ()
     mask = None if key_mask is None else key_mask.to(torch.uint8)  # bytes travel on every backend
-    return _RingFunction.apply(q, k, v, mask, spec)
+    return _RingFunction.apply(q, k, v, mask, spec, sinks, *captured)
