@@ -282,3 +282,20 @@ def test_rope_component_is_untouched_by_modifiers():
     rope = RotaryEmbedding(C // H)
     layer = MultiHeadAttention(C, C, H, rope=rope, score_mod=alibi(H))
     assert layer.rope is rope
+
+
+def test_a_kernel_component_without_modifier_keywords_is_refused_for_a_layer_with_modifiers():
+    class OldKernel:
+        def prepare(self, request):
+            return None
+
+        def attention(self, q, k, v, *, causal, key_mask, scale):
+            return torch.zeros_like(q)
+
+    plain = _layer()
+    plain.backend = OldKernel()
+    assert plain(_x()).shape == (B, T, C)  # no modifiers: the old kernel still serves
+    layer = _layer(score_mod=alibi(H))
+    layer.backend = OldKernel()
+    with pytest.raises(TypeError, match="OldKernel.attention lacks score_mod, mask_mod, sinks"):
+        layer(_x())

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from attnkit.functional.masks import Visibility
-from attnkit.functional.modifiers import BlockRule, MaskMod, MaskModifier, ScoreMod
+from attnkit.functional.modifiers import BlockRule, MaskMod, MaskModifier, ScoreMod, ScoreModifier
 
 from .modifiers import apply_mask_mod, apply_score_mod, can_branch_on_data, index_grid
 
@@ -121,7 +121,9 @@ class BlockMods:
         """
         b, g, rt, sb = s.shape
         s4 = s.view(b, self.h.shape[1], len(rows), sb)  # (B, G, R*Tb, Sb) -> (B, H, Tb, Sb)
-        if self.score_mod is not None:
+        if inplace and isinstance(self.score_mod, ScoreModifier) and _writes_in_place(self.score_mod):
+            s4 = self.score_mod.modify_(s4, *self.indices(rows, cols, offset))  # a built-in writes into s4
+        elif self.score_mod is not None:
             s4 = apply_score_mod(self.score_mod, s4, self.indices(rows, cols, offset))
             inplace = False  # its result may be expanded, or saved for its backward
         if mask is not None and mask.dtype == torch.bool:
@@ -156,6 +158,11 @@ class BlockMods:
                     grads[i] = grad if grads[i] is None else grads[i] + grad  # type: ignore[operator]
             return torch.zeros_like(ds) if got[0] is None else got[0]
         return torch.exp(s.detach() - lse), through
+
+
+def _writes_in_place(fn: ScoreModifier) -> bool:
+    """Whether ``fn`` has its own in-place form (:meth:`ScoreModifier.modify_`), as the built-ins do."""
+    return type(fn).modify_ is not ScoreModifier.modify_
 
 
 def block_mods(score_mod: ScoreMod | None, mask_mod: MaskMod | None, *, batch: int, num_heads: int,

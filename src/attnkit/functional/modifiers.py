@@ -66,6 +66,11 @@ class ScoreModifier:
         """The additive bias when this modifier is ``score + bias``; None if it is not additive."""
         return None
 
+    def modify_(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """The modified scores, written into ``score`` where the modifier can (a kernel's block that nothing
+        differentiates through); by default, the call itself."""
+        return self(score, b, h, q_idx, kv_idx)
+
     def check(self, batch: int, num_heads: int, q_positions: range, kv_positions: range) -> None:
         """Raise ValueError if this modifier cannot serve a call of this geometry."""
 
@@ -131,6 +136,9 @@ class Alibi(ScoreModifier):
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score + self.bias(b, h, q_idx, kv_idx)
 
+    def modify_(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score.add_(self.bias(b, h, q_idx, kv_idx).to(score.dtype))
+
     def check(self, batch: int, num_heads: int, q_positions: range, kv_positions: range) -> None:
         if self.slopes.numel() != num_heads:
             raise ValueError(f"{self!r} has {self.slopes.numel()} slopes (one per head) but q has H={num_heads} heads")
@@ -168,6 +176,11 @@ class Softcap(ScoreModifier):
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         cap = self.cap[h] if isinstance(self.cap, Tensor) and self.cap.dim() == 1 else self.cap  # (1, H, 1, 1)
         return torch.tanh(score / cap) * cap
+
+    def modify_(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if isinstance(self.cap, Tensor):
+            return self(score, b, h, q_idx, kv_idx)
+        return score.mul_(1 / self.cap).tanh_().mul_(self.cap)
 
     def check(self, batch: int, num_heads: int, q_positions: range, kv_positions: range) -> None:
         if isinstance(self.cap, Tensor) and self.cap.dim() == 1 and self.cap.numel() != num_heads:

@@ -202,7 +202,7 @@ class MultiHeadAttention(AttentionHeads):
         mods = self._modifiers(mask_mod)
         b, t, _ = x.shape
         if not isinstance(self.backend, str):  # the kernel checks the call (on every rank) and may place its tokens
-            check_kernel(self.backend)  # also when set after construction (layer.backend = ...)
+            check_kernel(self.backend, modifiers=mods is not None)  # also when set after construction
             placed = self.backend.prepare(self._request(x, positions, attn_mask, kv_cache, need_weights))
             positions = positions if placed is None else placed
         if positions is not None:
