@@ -299,3 +299,77 @@ def test_a_kernel_component_without_modifier_keywords_is_refused_for_a_layer_wit
     layer.backend = OldKernel()
     with pytest.raises(TypeError, match="OldKernel.attention lacks score_mod, mask_mod, sinks"):
         layer(_x())
+
+
+def test_to_torch_refuses_a_layer_with_modifiers_or_sinks():
+    for kwargs in (dict(score_mod=alibi(H)), dict(mask_mod=sink_window(1, 4)), dict(sinks=torch.zeros(H))):
+        layer = MultiHeadAttention(C, C, H, **kwargs)
+        with pytest.raises(ValueError, match="torch.nn.MultiheadAttention has no equivalent of"):
+            layer.to_torch()
+
+
+def test_a_built_ins_learned_tensors_train_save_and_move_with_the_layer():
+    slopes, cap = nn.Parameter(alibi_slopes(H)), nn.Parameter(torch.tensor(3.0))
+    layer = MultiHeadAttention(C, C, H, score_mod=alibi(slopes=slopes)).double()
+    assert any(p is slopes for p in layer.parameters()) and "score_mod_slopes" in layer.state_dict()
+    assert slopes.dtype == torch.float64  # moved with the layer, still the modifier's own tensor
+    layer(_x()).sum().backward()
+    assert slopes.grad is not None and bool(slopes.grad.abs().min() > 0)
+    capped = MultiHeadAttention(C, C, H, score_mod=softcap(cap))
+    assert [name for name, p in capped.named_parameters() if p is cap] == ["score_mod_cap"]
+
+
+def test_sinks_are_the_layers_own_on_its_device_and_reset_to_zero():
+    shared = torch.zeros(H)
+    layers = nn.ModuleList([MultiHeadAttention(C, C, H, sinks=shared) for _ in range(2)])
+    layers.load_state_dict({**layers.state_dict(), "0.sinks": torch.ones(H), "1.sinks": torch.full((H,), 2.0)})
+    torch.testing.assert_close(layers[0].sinks, torch.ones(H))  # not tied to layer 1 through `shared`
+    meta = MultiHeadAttention(C, C, H, sinks=nn.Parameter(torch.full((H,), 0.5)), device="meta")
+    assert meta.sinks.device.type == "meta"
+    meta.to_empty(device="cpu")
+    meta.reset_parameters()
+    torch.testing.assert_close(meta.sinks.detach(), torch.zeros(H))
+
+
+def test_a_subclass_that_changes_call_is_not_run_through_the_built_ins_fast_paths():
+    from attnkit import attention
+    from attnkit.functional.modifiers import Alibi, Softcap
+
+    class Doubled(Alibi):
+        def __call__(self, s, b, h, q_idx, kv_idx):
+            return 2 * super().__call__(s, b, h, q_idx, kv_idx)
+
+    class Bumped(Softcap):
+        def __call__(self, s, b, h, q_idx, kv_idx):
+            return super().__call__(s, b, h, q_idx, kv_idx) + 0.3 * (q_idx == kv_idx)
+
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    for fn in (Doubled(alibi_slopes(2).double()), Bumped(2.0)):
+        want = attention(q, k, v, causal=True, score_mod=fn, backend="math")
+        for backend in ("chunked", "auto"):
+            torch.testing.assert_close(attention(q, k, v, causal=True, score_mod=fn, backend=backend), want)
+
+
+def test_per_sample_gradients_through_a_score_modifier_on_chunked():
+    from attnkit import attention
+
+    q, k, v = (torch.randn(3, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+
+    def grads(backend):
+        def loss(a, b, c):  # one sample (H, T, D) at a time, as a batch of one
+            return attention(a[None], b[None], c[None], causal=True, score_mod=alibi(2), backend=backend).sum()
+
+        return torch.func.vmap(torch.func.grad(loss))(q, k, v)
+
+    torch.testing.assert_close(grads("chunked"), grads("math"))
+
+
+def test_an_error_inside_a_modifier_keeps_its_type_and_names_the_modifier():
+    from attnkit import attention
+
+    q = torch.randn(1, 2, 4, 4)
+    with pytest.raises(TypeError) as caught:
+        attention(q, q, q, score_mod=torch.tanh, backend="math")
+    assert any("score_mod" in note for note in getattr(caught.value, "__notes__", ["score_mod"]))
+    with pytest.raises(ValueError, match="cap must be positive and finite"):
+        softcap(torch.tensor(0.0))

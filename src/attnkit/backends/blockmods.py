@@ -40,7 +40,15 @@ from torch.utils._pytree import tree_leaves
 from attnkit.functional.masks import Visibility
 from attnkit.functional.modifiers import BlockRule, MaskMod, MaskModifier, ScoreMod, ScoreModifier
 
-from .modifiers import apply_mask_mod, apply_score_mod, can_branch_on_data, index_grid
+from .modifiers import (
+    SCORE_ARGS,
+    apply_mask_mod,
+    apply_score_mod,
+    call_modifier,
+    can_branch_on_data,
+    declares,
+    index_grid,
+)
 
 # (key columns, visibility, whether some row may see nothing, the mask modifier on the block or None)
 Block = tuple[range, Visibility, bool, "Tensor | None"]
@@ -77,7 +85,8 @@ class BlockMods:
         """(b, h, q_idx (1, 1, Tb, 1), kv_idx (1, 1, 1, Sb)) of one block; (B, 1, Tb, 1) and (B, 1, 1, Sb)
         with explicit positions."""
         if self.q_pos is not None and self.k_pos is not None:
-            return self.b, self.h, self.q_pos[:, :, rows.start:rows.stop], self.k_pos[..., cols.start:cols.stop]
+            q_idx = self.q_pos[:, :, rows.start:rows.stop]  # (B, 1, T, 1) -> (B, 1, Tb, 1)
+            return self.b, self.h, q_idx, self.k_pos[..., cols.start:cols.stop]  # (B, 1, 1, S) -> (B, 1, 1, Sb)
         qs, ks = self.positions(rows, cols, offset)
         device = self.b.device
         q_idx = torch.arange(qs.start, qs.stop, device=device).view(1, 1, -1, 1)  # (1, 1, Tb, 1)
@@ -162,7 +171,7 @@ class BlockMods:
 
 def _writes_in_place(fn: ScoreModifier) -> bool:
     """Whether ``fn`` has its own in-place form (:meth:`ScoreModifier.modify_`), as the built-ins do."""
-    return type(fn).modify_ is not ScoreModifier.modify_
+    return declares(fn, "modify_")
 
 
 def block_mods(score_mod: ScoreMod | None, mask_mod: MaskMod | None, *, batch: int, num_heads: int,
@@ -175,7 +184,8 @@ def block_mods(score_mod: ScoreMod | None, mask_mod: MaskMod | None, *, batch: i
     b, h, _, _ = index_grid(batch, num_heads, range(0), range(0), device)
     if explicit is not None:
         q_pos, k_pos = explicit
-        return BlockMods(score_mod, mask_mod, None, b, h, 0, q_pos[:, None, :, None], k_pos[:, None, None, :])
+        q4, k4 = q_pos[:, None, :, None], k_pos[:, None, None, :]  # (B, T) -> (B, 1, T, 1), (B, S) -> (B, 1, 1, S)
+        return BlockMods(score_mod, mask_mod, None, b, h, 0, q4, k4)
     rule = None
     if isinstance(mask_mod, MaskModifier):
         rule = mask_mod.block_rule(batch, q_positions, kv_positions)
@@ -217,5 +227,5 @@ def captured_tensors(score_mod: ScoreMod, probe: Tensor, mods: BlockMods, offset
     b, h, q_idx, kv_idx = mods.indices(range(1), range(1), offset)
     inputs = (probe, b, h, q_idx, kv_idx)
     with torch.no_grad(), _Captures(inputs) as mode:
-        apply_score_mod(score_mod, probe, inputs[1:])
+        call_modifier(score_mod, "score_mod", SCORE_ARGS, *inputs)  # its result is checked on the real blocks
     return tuple(mode.found.values())

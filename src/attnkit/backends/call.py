@@ -152,7 +152,7 @@ class AttentionCall:
 
     def may_have_empty_rows(self) -> bool:
         """Whether some query might see no key (then its output must be 0)."""
-        return (self.mask is not None or self.mask_mod is not None
+        return (self.mask is not None or self.mask_mod is not None or self.q_pos is not None
                 or (self.causal and self.num_queries > self.num_keys))
 
 

@@ -59,7 +59,7 @@ from attnkit.functional import (
 from .blockmods import Block, BlockMods, block_mods, captured_tensors
 from .call import AttentionCall, compute_dtype
 from .math import math_intermediates
-from .modifiers import add_sinks, sink_grad
+from .modifiers import add_sinks, can_branch_on_data, sink_grad
 from .registry import Backend, register
 
 _SCORE_BUDGET = 1 << 20  # elements of one block of scores (4 MiB in float32)
@@ -431,15 +431,15 @@ def _plan(call: AttentionCall) -> BlockPlan:
 def chunked_attention(call: AttentionCall) -> Tensor:
     """The backend: :func:`block_forward` without gradients, else the autograd Function.
 
-    Under torch.compile, a call with a score modifier that may need gradients
-    takes the dense math path: dynamo traces neither the search for the
-    tensors the modifier closes over nor the backward's per-block autograd.
+    Under torch.compile and torch.func, a call with a score modifier that may
+    need gradients takes the dense math path: they trace neither the search
+    for the tensors the modifier closes over nor the backward's per-block autograd.
     """
     plan = _plan(call)
     captured: tuple[Tensor, ...] = ()
     if torch.is_grad_enabled() and plan.mods is not None and plan.mods.score_mod is not None:
-        if torch.compiler.is_compiling():  # dynamo traces neither the recording mode nor autograd.grad
-            return math_intermediates(call).out  # the dense path: differentiable, closures included
+        if not can_branch_on_data(call.q):  # dynamo and torch.func trace neither the recording mode nor the
+            return math_intermediates(call).out  # per-block autograd.grad: the dense path, closures included
         probe = torch.zeros(call.q.shape[0], call.num_heads, 1, 1, dtype=plan.compute, device=call.q.device)
         captured = captured_tensors(plan.mods.score_mod, probe, plan.mods, plan.offset)
     inputs = (call.q, call.k, call.v, *captured, *(() if call.sinks is None else (call.sinks,)))

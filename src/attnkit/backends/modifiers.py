@@ -87,6 +87,17 @@ def index_grid(batch: int, num_heads: int, q_positions: range, kv_positions: ran
     return b, h, q_idx, kv_idx
 
 
+def call_modifier(fn: object, name: str, args: tuple[str, ...], *inputs: Tensor) -> object:
+    """``fn(*inputs)``; an error it raises keeps its type and traceback and gains a note naming the modifier."""
+    try:
+        return fn(*inputs)  # type: ignore[operator]
+    except Exception as err:
+        note = f"(raised by {name} {modifier_name(fn)}, called as FlexAttention's {name}({', '.join(args)}))"
+        if hasattr(err, "add_note"):  # Python 3.11+; the error keeps its own type and traceback either way
+            err.add_note(note)
+        raise
+
+
 def positions_grid(num_heads: int, q_positions: Tensor, kv_positions: Tensor
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (B, 1, T, 1), kv_idx (B, 1, 1, S)) from explicit positions.
@@ -123,7 +134,7 @@ def _scores_shape(idx: tuple[Tensor, ...]) -> tuple[int, int, int, int]:
 
 def apply_score_mod(fn: ScoreMod, scores: Tensor, idx: tuple[Tensor, ...]) -> Tensor:
     """fn(scores, *idx), checked: floating point, of the scores' shape (a smaller result broadcasts to it)."""
-    out = fn(scores, *idx)
+    out = call_modifier(fn, "score_mod", SCORE_ARGS, scores, *idx)
     if not isinstance(out, Tensor) or not out.is_floating_point():
         got = f"a {out.dtype} tensor" if isinstance(out, Tensor) else f"{type(out).__name__}"
         raise TypeError(f"score_mod {modifier_name(fn)} returned {got}; expected a floating-point tensor of the "
@@ -142,7 +153,7 @@ def apply_score_mod(fn: ScoreMod, scores: Tensor, idx: tuple[Tensor, ...]) -> Te
 
 def apply_mask_mod(fn: MaskMod, idx: tuple[Tensor, ...]) -> Tensor:
     """fn(*idx), checked: bool, broadcastable to (B, H, Tb, Sb) of these indices."""
-    out = mask_result(fn, fn(*idx))
+    out = mask_result(fn, call_modifier(fn, "mask_mod", MASK_ARGS, *idx))
     shape = _scores_shape(idx)
     try:
         fits = out.dim() <= 4 and torch.broadcast_shapes(out.shape, shape) == shape
@@ -156,9 +167,19 @@ def apply_mask_mod(fn: MaskMod, idx: tuple[Tensor, ...]) -> Tensor:
 
 def additive_bias(fn: ScoreMod) -> ScoreModifier | None:
     """``fn`` if it declares itself score + bias (:meth:`ScoreModifier.bias`), else None."""
-    if isinstance(fn, ScoreModifier) and type(fn).bias is not ScoreModifier.bias:
-        return fn
-    return None
+    return fn if isinstance(fn, ScoreModifier) and declares(fn, "bias") else None
+
+
+def declares(fn: ScoreModifier, method: str) -> bool:
+    """Whether ``fn``'s ``method`` (``bias``, ``modify_``) is its own and speaks for its ``__call__``.
+
+    A subclass that overrides ``__call__`` alone inherits a method that no
+    longer describes it: then False, and kernels call the modifier itself.
+    """
+    mro = type(fn).__mro__
+    defines_call = next(c for c in mro if "__call__" in vars(c))
+    defines_method = next(c for c in mro if method in vars(c))
+    return defines_method is not ScoreModifier and issubclass(defines_method, defines_call)
 
 
 def can_branch_on_data(t: Tensor) -> bool:

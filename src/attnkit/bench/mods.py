@@ -401,7 +401,7 @@ def _notes(*parts: tuple[str, float | None]) -> str:
 
 
 def mods_targets(rows: Sequence[Row], suite: ModsSuite) -> list[Row]:
-    """The issue's targets, decided from the rows of one run; FlexAttention's ratios as notes."""
+    """The targets (BENCHMARKS.md), decided from the rows of one run; FlexAttention's ratios as notes."""
     window, docs, mods = (_ratios(rows, case_title(n, suite)) for n in ("window", "documents", "modifiers"))
     w, long, short = suite.window, suite.long_len, suite.short_len
     found = []

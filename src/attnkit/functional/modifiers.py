@@ -131,7 +131,7 @@ class Alibi(ScoreModifier):
         return f"alibi({self.slopes.numel()} heads)"
 
     def bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return self.slopes[h] * (kv_idx - q_idx)  # (1, H, 1, 1) * (1, 1, T, S) -> (1, H, T, S)
+        return self.slopes.to(h.device)[h] * (kv_idx - q_idx)  # (1, H, 1, 1) * (1, 1, T, S) -> (1, H, T, S)
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score + self.bias(b, h, q_idx, kv_idx)
@@ -165,6 +165,8 @@ class Softcap(ScoreModifier):
             if not cap.is_floating_point() or cap.dim() > 1:
                 raise ValueError(f"softcap's cap must be a positive number, a 0-d tensor or one per head (H,); "
                                  f"got a {cap.dtype} tensor of shape {tuple(cap.shape)}")
+            if cap.device.type != "meta" and not bool((cap.detach() > 0).all() & cap.detach().isfinite().all()):
+                raise ValueError(f"softcap's cap must be positive and finite, got {cap.detach().tolist()}")
         elif isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not (0 < float(cap) < math.inf):
             raise ValueError(f"softcap's cap must be a positive finite number, got cap={cap!r}")
         self.cap = cap if isinstance(cap, Tensor) else float(cap)
@@ -174,7 +176,8 @@ class Softcap(ScoreModifier):
         return f"softcap({cap if isinstance(cap, float) else 'tensor ' + str(tuple(cap.shape))})"
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        cap = self.cap[h] if isinstance(self.cap, Tensor) and self.cap.dim() == 1 else self.cap  # (1, H, 1, 1)
+        per_head = isinstance(self.cap, Tensor) and self.cap.dim() == 1
+        cap = self.cap.to(h.device)[h] if per_head else self.cap  # (H,) -> (1, H, 1, 1)
         return torch.tanh(score / cap) * cap
 
     def modify_(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

@@ -93,9 +93,12 @@ class MultiHeadAttention(AttentionHeads):
             (True = may attend; e.g. ``prefix_lm(n)``, ``sink_window(4, 1024)``),
             and-ed with ``causal`` / ``window`` and with any ``mask_mod`` given
             to :meth:`forward`.
-        sinks: learned sink logits (H,), one per query head, in every softmax
-            denominator (gpt-oss): an ``nn.Parameter`` trains with the layer,
-            another tensor is kept as a buffer.
+        sinks: sink logits (H,), one per query head, in every softmax
+            denominator (gpt-oss): an ``nn.Parameter`` trains with the layer
+            (:meth:`reset_parameters` sets it to 0), another tensor is a fixed
+            buffer; either is the layer's own copy, on its device and dtype.
+            A built-in modifier's ``nn.Parameter`` (``alibi(slopes=...)``,
+            ``softcap(cap)``) is registered too, as ``score_mod_slopes`` etc.
         backend: kernel for :func:`attnkit.attention` ("auto", "sdpa",
             "chunked", "math"; asking for weights uses "math" under "auto"),
             or a kernel component (:mod:`attnkit.backends.kernel`) such as
@@ -126,13 +129,15 @@ class MultiHeadAttention(AttentionHeads):
         check_modifier(score_mod, "score_mod", SCORE_ARGS)
         check_modifier(mask_mod, "mask_mod", MASK_ARGS)
         self.score_mod, self.mask_mod = score_mod, mask_mod  # an nn.Module is registered as a submodule
+        for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+            self._register_learned(name, fn)
         self.sinks: Tensor | None
-        if sinks is not None:
-            _check_layer_sinks(sinks, self.num_heads)
-        if isinstance(sinks, nn.Parameter) or sinks is None:
-            self.sinks = sinks  # a parameter is registered as one
+        if isinstance(sinks, nn.Parameter):  # learned: trains with the layer, made where its parameters are
+            self.sinks = nn.Parameter(_check_layer_sinks(sinks, self.num_heads).detach().to(**factory))
+        elif sinks is not None:  # fixed: a buffer of the layer's own (state_dict, .to())
+            self.register_buffer("sinks", _check_layer_sinks(sinks, self.num_heads).detach().to(**factory).clone())
         else:
-            self.register_buffer("sinks", sinks)
+            self.sinks = None
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(d_in, q_size + 2 * kv_size, bias=qkv_bias, **factory)
         self._sizes = (q_size, kv_size, kv_size)
@@ -145,6 +150,22 @@ class MultiHeadAttention(AttentionHeads):
         sinks = "" if self.sinks is None else f", sinks=({self.num_heads},)"
         return (f"{self._heads_repr()}, causal={self.causal}{window}{mods}{sinks}, dropout={self.dropout}, "
                 f"backend={self.backend!r}")
+
+    def _register_learned(self, name: str, fn: object) -> None:
+        """The parameters a built-in modifier holds (``alibi(slopes=nn.Parameter(...))``, a learned
+        ``softcap``), registered with the layer: they train, save and move with it."""
+        if fn is None or isinstance(fn, nn.Module):
+            return
+        for attribute, value in vars(fn).items() if hasattr(fn, "__dict__") else ():
+            if isinstance(value, nn.Parameter):
+                self.register_parameter(f"{name}_{attribute}", value)
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the projections and components as the constructor does; learned sinks to 0."""
+        super().reset_parameters()
+        if isinstance(self.sinks, nn.Parameter):
+            with torch.no_grad():
+                self.sinks.zero_()
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries (B, H, T, D), keys and values (B, G, T, D): q and k normalised by ``qk_norm``, not rotated."""
@@ -287,7 +308,10 @@ class MultiHeadAttention(AttentionHeads):
     def torch_problems(self) -> list[str]:
         """What ``torch.nn.MultiheadAttention`` cannot express of this layer (beyond what the converter checks)."""
         norm = [] if self.qk_norm is None else [f"a norm of queries and keys ({type(self.qk_norm).__name__})"]
-        return super().torch_problems() + norm
+        mods = [f"a {name} ({modifier_name(fn)})" for name, fn in (("score_mod", self.score_mod),
+                                                                  ("mask_mod", self.mask_mod)) if fn is not None]
+        sinks = [] if self.sinks is None else ["learned sinks"]
+        return super().torch_problems() + norm + mods + sinks
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """The same layer as a ``torch.nn.MultiheadAttention`` (see :func:`attnkit.modules.convert.to_torch`)."""

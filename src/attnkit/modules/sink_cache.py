@@ -185,7 +185,9 @@ class SinkCache(_Ownership):
         """Window keys (B, G, n, D) moved ``by`` places left: rotated by -by (rotations compose)."""
         if self.rope is None:
             return keys
-        return self.rope.rotate(keys, torch.tensor([-by], device=keys.device))  # (B, G, n, D), one angle for all
+        compute = torch.promote_types(keys.dtype, torch.float32)  # half precision would round once per chunk
+        moved = self.rope.rotate(keys.to(compute), torch.tensor([-by], device=keys.device))  # (B, G, n, D)
+        return moved.to(keys.dtype)
 
     def _evict(self, evicted: int, needed: int, k: Tensor, v: Tensor) -> None:
         """New storage of the sinks and the window without its ``evicted`` oldest keys, re-rotated.
