@@ -297,14 +297,14 @@ def test_a_kernel_component_without_modifier_keywords_is_refused_for_a_layer_wit
     assert plain(_x()).shape == (B, T, C)  # no modifiers: the old kernel still serves
     layer = _layer(score_mod=alibi(H))
     layer.backend = OldKernel()
-    with pytest.raises(TypeError, match="OldKernel.attention lacks score_mod, mask_mod, sinks"):
+    with pytest.raises(TypeError, match=r"OldKernel\.attention lacks score_mod, mask_mod, sinks"):
         layer(_x())
 
 
 def test_to_torch_refuses_a_layer_with_modifiers_or_sinks():
     for kwargs in (dict(score_mod=alibi(H)), dict(mask_mod=sink_window(1, 4)), dict(sinks=torch.zeros(H))):
         layer = MultiHeadAttention(C, C, H, **kwargs)
-        with pytest.raises(ValueError, match="torch.nn.MultiheadAttention has no equivalent of"):
+        with pytest.raises(ValueError, match=r"torch\.nn\.MultiheadAttention has no equivalent of"):
             layer.to_torch()
 
 
