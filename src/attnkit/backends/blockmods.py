@@ -40,15 +40,7 @@ from torch.utils._pytree import tree_leaves
 from attnkit.functional.masks import Visibility
 from attnkit.functional.modifiers import BlockRule, MaskMod, MaskModifier, ScoreMod, ScoreModifier
 
-from .modifiers import (
-    SCORE_ARGS,
-    apply_mask_mod,
-    apply_score_mod,
-    call_modifier,
-    can_branch_on_data,
-    declares,
-    index_grid,
-)
+from .modifiers import apply_mask_mod, apply_score_mod, can_branch_on_data, declares, index_grid
 
 # (key columns, visibility, whether some row may see nothing, the mask modifier on the block or None)
 Block = tuple[range, Visibility, bool, "Tensor | None"]
@@ -227,5 +219,5 @@ def captured_tensors(score_mod: ScoreMod, probe: Tensor, mods: BlockMods, offset
     b, h, q_idx, kv_idx = mods.indices(range(1), range(1), offset)
     inputs = (probe, b, h, q_idx, kv_idx)
     with torch.no_grad(), _Captures(inputs) as mode:
-        call_modifier(score_mod, "score_mod", SCORE_ARGS, *inputs)  # its result is checked on the real blocks
+        apply_score_mod(score_mod, probe, inputs[1:])  # what it returns is checked here first
     return tuple(mode.found.values())
