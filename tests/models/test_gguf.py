@@ -136,3 +136,60 @@ def test_unsupported_tensor_type_is_named(tiny: tuple[Path, dict[str, np.ndarray
     monkeypatch.setattr(gguf, "dequantize", refuse)
     with pytest.raises(ValueError, match=r"token_embd.weight.*type F32"):
         load_gguf(tiny[0])
+
+
+def _index_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Record each parse by gguf's reader (an indexed read makes none)."""
+    gguf = need("gguf")
+    parsed: list[Path] = []
+    real = gguf.GGUFReader
+
+    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(Path(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    return parsed
+
+
+def test_an_index_gives_the_same_file_without_parsing_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2's file (Q4_1 and Q8_0 tensors): metadata and every dequantised tensor equal through the index."""
+    from tests.models._decoder import need_smollm2
+
+    path = need_smollm2()
+    monkeypatch.setenv("ATTNKIT_CACHE", str(tmp_path))
+    parsed = _index_reads(monkeypatch)
+    first = read_gguf(path)  # large enough to be indexed by default
+    second = read_gguf(path)
+    assert parsed == [path] and len(list((tmp_path / "gguf-index").iterdir())) == 1
+    assert second.metadata == first.metadata and second.tensor_names == first.tensor_names
+    assert {first.tensor_type(n) for n in first.tensor_names} >= {"Q4_1", "F32"}
+    for name in first.tensor_names:
+        np.testing.assert_array_equal(second.tensor(name), first.tensor(name), err_msg=name)
+
+
+def test_a_changed_file_or_a_damaged_index_is_parsed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit.models.gguf import index_path
+
+    monkeypatch.setenv("ATTNKIT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, seed=0)
+    parsed = _index_reads(monkeypatch)
+    read_gguf(path, index=True)
+    index_path(path).write_text("{not json")  # damaged: parsed again and rewritten
+    read_gguf(path, index=True)
+    assert read_gguf(path, index=True).metadata["llama.block_count"] == 2
+    weights = write_tiny_llama(path, seed=1)  # a new file at the same path: a new index
+    again = read_gguf(path, index=True)
+    assert len(parsed) == 3
+    np.testing.assert_array_equal(again.tensor("output_norm.weight"), weights["output_norm.weight"])
+
+
+def test_a_cache_that_cannot_be_written_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("ATTNKIT_CACHE", str(blocked))  # mkdir below it fails
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    assert read_gguf(path, index=True).metadata["llama.block_count"] == 2
+    assert read_gguf(path).tensor_names == read_gguf(path, index=True).tensor_names

@@ -10,11 +10,22 @@ of Llama models, so the weights fit attnkit's half-split rotary embedding.
     file.metadata["llama.block_count"]      # 30
     weight = file.tensor("blk.0.attn_q.weight")  # np.float32 (out, in)
 
+Reading a file's metadata with ``gguf.GGUFReader`` parses every entry of its
+vocabulary one at a time: 5 s of SmolLM2's load. What it found (the metadata
+and where each tensor lies) is kept as a small JSON *index* in attnkit's cache
+folder (``$ATTNKIT_CACHE``, else ``~/.cache/attnkit``), keyed by the file's
+path, size and modification time; a later read of the same file loads the
+index and memory-maps the tensors, without the reader. Files under
+:data:`INDEX_MIN_BYTES` are not indexed.
+
 Legend: H heads (query or key/value), D head dim.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +36,19 @@ from attnkit._optional import require
 
 # Metadata arrays that are read in full; other arrays are kept as their length only.
 _FULL_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+INDEX_MIN_BYTES = 32 << 20  # smaller files parse in well under a second: not worth an index
+_INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a file: its bytes (a memory-mapped view, as ``gguf.GGUFReader`` lays them out), type and
+    dims (GGUF's order, innermost first)."""
+
+    data: np.ndarray
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
 
 
 @dataclass
@@ -81,26 +105,85 @@ def _field_value(reader_field: Any) -> Any:
     return reader_field.contents()
 
 
-def read_gguf(path: str | Path) -> GGUFFile:
+def read_gguf(path: str | Path, *, index: bool | None = None) -> GGUFFile:
     """Open a GGUF file: its metadata now, its tensors on demand (memory-mapped).
+
+    ``index``: keep (and use) the file's index in the cache folder (see the
+    module docstring); None: for files of at least :data:`INDEX_MIN_BYTES`.
+    An index that is missing, stale or unreadable is rebuilt from the file;
+    one that cannot be written is skipped.
 
     Raises FileNotFoundError for a missing file and ValueError for one that is
     not a readable GGUF file (truncated, corrupt, or another format).
     """
-    gguf = require("gguf", "Reading GGUF files")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a directory, not a GGUF file")
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
+    indexed = path.stat().st_size >= INDEX_MIN_BYTES if index is None else index
+    if not indexed:
+        return _parse(path)
+    where = index_path(path)
+    file = _from_index(path, where)
+    if file is None:
+        file = _parse(path)
+        _write_index(file, where)
+    return file
+
+
+def _parse(path: Path) -> GGUFFile:
+    """The file read by ``gguf.GGUFReader``."""
+    gguf = require("gguf", "Reading GGUF files")
     try:
         reader = gguf.GGUFReader(path)
         metadata = {name: _field_value(f) for name, f in reader.fields.items()}
-        tensors = {t.name: t for t in reader.tensors}
+        tensors = {t.name: GGUFTensor(t.data, t.tensor_type, tuple(int(n) for n in t.shape), int(t.data_offset))
+                   for t in reader.tensors}
     except (ValueError, IndexError, KeyError, TypeError, OSError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
                          f"{type(err).__name__}: {err}") from err
     return GGUFFile(path, metadata, tensors)
+
+
+def index_path(path: Path) -> Path:
+    """Where the index of ``path`` (as it is now: size and modification time) lives in the cache folder."""
+    stat = path.stat()
+    key = f"{_INDEX_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    cache = Path(os.environ.get("ATTNKIT_CACHE") or Path.home() / ".cache" / "attnkit")
+    return cache / "gguf-index" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _write_index(file: GGUFFile, where: Path) -> None:
+    """Save ``file``'s metadata and tensor places at ``where``, atomically; skipped if it cannot be written."""
+    tensors = [[name, int(t.tensor_type), list(t.shape), t.offset, t.data.dtype.str, list(t.data.shape)]
+               for name, t in file._tensors.items()]
+    record = {"version": _INDEX_VERSION, "metadata": file.metadata, "tensors": tensors}
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        partial = where.with_suffix(f".{os.getpid()}.part")
+        partial.write_text(json.dumps(record))
+        partial.replace(where)
+    except (OSError, TypeError, ValueError):  # a read-only cache, or metadata JSON cannot hold: read it each time
+        return
+
+
+def _from_index(path: Path, where: Path) -> GGUFFile | None:
+    """The file from its index (tensors memory-mapped), or None when there is no usable index."""
+    gguf = require("gguf", "Reading GGUF files")
+    try:
+        record = json.loads(where.read_text())
+        if record.get("version") != _INDEX_VERSION:
+            return None
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = {}
+        for name, kind, dims, offset, dtype, shape in record["tensors"]:
+            count = int(np.prod(shape))
+            data = np.frombuffer(mm, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
+            tensors[name] = GGUFTensor(data, gguf.GGMLQuantizationType(kind), tuple(dims), offset)
+        return GGUFFile(path, record["metadata"], tensors)
+    except (OSError, ValueError, KeyError, TypeError):  # missing, stale or damaged: parse the file again
+        return None
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
