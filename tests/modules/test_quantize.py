@@ -249,3 +249,26 @@ def test_load_gguf_auto_picks_by_the_architectures_measured_forms(tmp_path) -> N
     write_tiny_llama(path, context=32)
     model = load_gguf(path, weights="auto")
     assert weight_form(model) == default_form(LlamaModel.accurate_forms)
+
+
+def test_int4_loads_straight_from_the_files_q4_1_blocks(monkeypatch) -> None:
+    """Loading int4 reads each Q4_1 layer's codes, scales and minimums from its blocks (nothing dequantised and
+    re-gridded) and packs exactly what quantizing the dequantised float32 model packs."""
+    import attnkit.modules.quantize as quantize_module
+    from attnkit.models import load_smollm2
+    from attnkit.modules.quantize import quantize
+
+    reference = quantize(load_smollm2(weights="float32"), "int4")  # the dequantised weights, re-gridded
+    regrids = []
+    real_grid = quantize_module.int4_grid
+    monkeypatch.setattr(quantize_module, "int4_grid", lambda *a, **k: regrids.append(1) or real_grid(*a, **k))
+    direct = load_smollm2(weights="int4")
+    assert regrids == []  # every int4 layer of this file came from its blocks
+    ours, theirs = direct.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        if name != "lm_head.packed":  # fbgemm's packed float16 head is opaque; compared through the logits
+            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=name)
+    ids = direct.tokenize(TEXT)["input_ids"][:, :64]
+    with torch.inference_mode():
+        torch.testing.assert_close(direct(ids), reference(ids), rtol=0, atol=0)

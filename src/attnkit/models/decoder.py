@@ -17,7 +17,7 @@ I feed-forward width, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 import torch
@@ -94,7 +94,10 @@ class DecoderModel(GenerationMixin, nn.Module):
     def __init__(self, config: DecoderConfig, layers: Sequence[nn.Module], tokenizer: Tokenizer | None = None) -> None:
         super().__init__()
         self.config = config
-        head = transposed_storage(torch.empty(config.vocab_size, config.d_model).normal_())  # (V, C)
+        head = torch.empty(config.vocab_size, config.d_model)  # (V, C)
+        if not head.is_meta:  # built on "meta" to be loaded (assemble): normal_ there imports torch._dynamo (1.4 s)
+            head.normal_()
+        head = transposed_storage(head)
         self.embed = nn.Embedding(config.vocab_size, config.d_model, _weight=head)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
@@ -240,11 +243,12 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def pack(model: M, weights: str) -> M:
+def pack(model: M, weights: str, grids: Mapping[str, tuple[Tensor, Tensor, Tensor]] | None = None) -> M:
     """``model``'s linear layers in ``weights``' form ("auto": the fastest its class measured accurate), then the
-    heap the dropped float32 weights held handed back to the OS."""
+    heap the dropped float32 weights held handed back to the OS. ``grids``: 4-bit grids read from the file for
+    int4 (see :func:`attnkit.modules.quantize.quantize`)."""
     from attnkit.modules.quantize import quantize, resolve_form
 
-    quantize(model, resolve_form(weights, model.accurate_forms))
+    quantize(model, resolve_form(weights, model.accurate_forms), grids=grids)
     release_freed_memory()
     return model

@@ -79,6 +79,13 @@ class GGUFFile:
             raise ValueError(f"{self.path}: tensor {name!r} is missing from this GGUF file")
         return self._tensors[name]
 
+    def q4_1_rows(self, name: str) -> np.ndarray:
+        """A Q4_1 tensor's blocks as stored: uint8 (out, in / 32 * 20), one row of blocks per output row."""
+        tensor = self._get(name)
+        if tensor.tensor_type.name != "Q4_1":
+            raise ValueError(f"{self.path}: tensor {name!r} is {tensor.tensor_type.name}, not Q4_1")
+        return np.asarray(tensor.data)
+
     def tensor(self, name: str) -> np.ndarray:
         """Tensor ``name`` dequantised to float32, in PyTorch's (out, in) order."""
         gguf = require("gguf", "Reading GGUF files")
@@ -184,6 +191,21 @@ def _from_index(path: Path, where: Path) -> GGUFFile | None:
         return GGUFFile(path, record["metadata"], tensors)
     except (OSError, ValueError, KeyError, TypeError):  # missing, stale or damaged: parse the file again
         return None
+
+
+Q4_1_BLOCK = 20  # bytes per 32 weights: d and m (float16), then 16 bytes of 4-bit codes
+
+
+def q4_1_grid(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 blocks (out, in / 32 * 20 bytes) as (codes int32 (out, in) in 0..15, scale d and minimum m
+    float32 (out, in / 32)): weight = m + codes * d, group by group of 32 inputs, read without dequantising."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, Q4_1_BLOCK)  # (N, K/32, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/32)
+    nibbles = blocks[..., 4:]  # (N, K/32, 16): element j in the low nibble, element j + 16 in the high one
+    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1)  # (N, K/32, 32)
+    return codes.reshape(n, -1).astype(np.int32), d, m  # (N, K), (N, K/32), (N, K/32)
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

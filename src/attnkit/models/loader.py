@@ -27,10 +27,10 @@ from torch import Tensor
 from attnkit._cpu import SlowDtypeWarning as SlowDtypeWarning  # re-exported: load_gguf warns with it
 from attnkit._cpu import warn_if_slow_dtype
 from attnkit._optional import MissingDependencyError
-from attnkit.modules.quantize import WEIGHT_FORMS
+from attnkit.modules.quantize import WEIGHT_FORMS, int4_fits, resolve_form
 
 from .decoder import DecoderModel, assemble, pack
-from .gguf import GGUFFile, read_gguf, unpermute_rows
+from .gguf import Q4_1_BLOCK, GGUFFile, q4_1_grid, read_gguf, unpermute_rows
 from .llama import LlamaConfig, LlamaModel, transposed_storage
 from .tokenizer import GGUFTokenizer
 
@@ -146,12 +146,35 @@ def _fuse(file: GGUFFile, parts: Sequence[tuple[str, tuple[int, ...], int | None
     return torch.from_numpy(np.concatenate(arrays, axis=0))  # rows stacked: (sum of outs, in)
 
 
+def _grid_rows(file: GGUFFile, parts: Sequence[tuple[str, tuple[int, ...], int | None]]
+               ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The 4-bit grid (codes, scale, minimum) of tensors fused as :func:`_fuse` fuses them, read from their Q4_1
+    blocks without dequantising; None unless every part is Q4_1 and the fused matrix fits the int4 kernel."""
+    if any(file.tensor_type(n) != "Q4_1" for n, _, _ in parts):
+        return None
+    out, width = sum(s[0] for _, s, _ in parts), parts[0][1][1]
+    if not int4_fits(out, width):
+        return None
+    rows = []
+    for name, shape, heads in parts:
+        raw = file.q4_1_rows(name)  # (out, in / 32 * 20) bytes
+        if raw.shape != (shape[0], shape[1] // 32 * Q4_1_BLOCK) or shape[1] % 32:
+            raise ValueError(f"{file.path}: tensor {name!r} holds {raw.shape[0]} rows of {raw.shape[1]} bytes of "
+                             f"Q4_1 blocks, but the metadata implies shape {shape}")
+        rows.append(raw if heads is None else unpermute_rows(raw, heads))  # rows are whole: permuted as weights are
+    codes, scale, low = q4_1_grid(np.concatenate(rows, axis=0))  # (N, K), (N, K/32), (N, K/32)
+    return torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low)
+
+
 def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
                          progress: Callable[[int, int], None] | None = None, *,
-                         dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+                         dtype: torch.dtype = torch.float32,
+                         grids: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None) -> dict[str, Tensor]:
     """llama.cpp tensor names -> LlamaModel's state dict in ``dtype``, Q/K/V and gate/up fused.
 
-    Each tensor's shape is checked against ``config`` and it is cast as it is read.
+    Each tensor's shape is checked against ``config`` and it is cast as it is read. ``grids`` (a dict to
+    fill, for int4): a linear layer whose tensors are all Q4_1 gets its 4-bit grid there, under its module
+    name, read straight from the blocks, and an unread placeholder of its shape in the state dict.
     """
     c, v, i, d = config.d_model, config.vocab_size, config.ffn_size, config.head_dim
     h, g = config.num_heads, config.num_kv_heads
@@ -171,15 +194,23 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
         names = {n: old + n + ".weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                                                   "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
         expected |= set(names.values())
-        qkv = _fuse(file, [(names["attn_q"], (h * d, c), h), (names["attn_k"], (g * d, c), g),
-                           (names["attn_v"], (g * d, c), None)])
-        out[new + "attention.qkv_proj.weight"] = qkv.to(dtype)
-        out[new + "attention.out_proj.weight"] = take(names["attn_output"], (c, h * d))
+        linears: dict[str, list[tuple[str, tuple[int, ...], int | None]]] = {
+                   "attention.qkv_proj": [(names["attn_q"], (h * d, c), h), (names["attn_k"], (g * d, c), g),
+                                          (names["attn_v"], (g * d, c), None)],
+                   "attention.out_proj": [(names["attn_output"], (c, h * d), None)],
+                   "mlp.gate_up_proj": [(names["ffn_gate"], (i, c), None), (names["ffn_up"], (i, c), None)],
+                   "mlp.down_proj": [(names["ffn_down"], (c, i), None)]}
+        for module, parts in linears.items():
+            grid = None if grids is None else _grid_rows(file, parts)
+            if grids is not None and grid is not None:
+                grids[new + module] = grid
+                out[new + module + ".weight"] = torch.empty(grid[0].shape, dtype=dtype)  # replaced, never read
+            elif module == "mlp.gate_up_proj":
+                out[new + module + ".weight"] = transposed_storage(_fuse(file, parts).to(dtype))  # (2I, C)
+            else:
+                out[new + module + ".weight"] = _fuse(file, parts).to(dtype)
         out[new + "attention_norm.weight"] = take(names["attn_norm"], (c,))
         out[new + "mlp_norm.weight"] = take(names["ffn_norm"], (c,))
-        gate_up = _fuse(file, [(names["ffn_gate"], (i, c), None), (names["ffn_up"], (i, c), None)])  # (2I, C)
-        out[new + "mlp.gate_up_proj.weight"] = transposed_storage(gate_up.to(dtype))
-        out[new + "mlp.down_proj.weight"] = take(names["ffn_down"], (c, i))
         if progress is not None:
             progress(layer + 1, total)
     unexpected = sorted(set(file.tensor_names) - expected)
@@ -225,8 +256,11 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
                          "llama, gemma3")
     config = llama_config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
     tokenizer = file_tokenizer(file, config.vocab_size, config.context_length, "llama.vocab_size")
-    state = convert_gguf_weights(file, config, progress, dtype=dtype)
-    return pack(assemble(lambda: LlamaModel(config, tokenizer), state, dtype), weights)
+    grids: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None
+    if resolve_form(weights, LlamaModel.accurate_forms) == "int4":
+        grids = {}  # Q4_1 layers go to int4 from their blocks: not dequantised, not re-gridded
+    state = convert_gguf_weights(file, config, progress, dtype=dtype, grids=grids)
+    return pack(assemble(lambda: LlamaModel(config, tokenizer), state, dtype), weights, grids)
 
 
 def file_tokenizer(file: GGUFFile, vocab_size: int, context_length: int, vocab_key: str) -> GGUFTokenizer:

@@ -38,7 +38,7 @@ differentiate through its packed weights.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -129,12 +129,17 @@ class _NoGradient(torch.autograd.Function):
                          "packed for inference): load the model with weights='float32' to differentiate through it")
 
 
-@torch.library.custom_op("attnkit::linear_fp16_weight", mutates_args=())
-def _linear_fp16_weight(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
-    """fbgemm's float16-weight product, (M, in) float32 -> (M, out) float32 (an op torch.compile can capture)."""
+def _fp16_weight_product(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """fbgemm's float16-weight product, (M, in) float32 -> (M, out) float32."""
     with warnings.catch_warnings():  # the function is marked deprecated; torch.ao's dynamic linear calls the same
         warnings.simplefilter("ignore", UserWarning)
         return torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, torch.zeros(out_features))
+
+
+@torch.library.custom_op("attnkit::linear_fp16_weight", mutates_args=())
+def _linear_fp16_weight(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """The same product as an op torch.compile can capture (fbgemm's packed matrix is opaque to it)."""
+    return _fp16_weight_product(x, packed, out_features)
 
 
 @_linear_fp16_weight.register_fake
@@ -157,7 +162,10 @@ class Float16Linear(PackedLinear):
         self.register_buffer("packed", packed)
 
     def matmul(self, x: Tensor) -> Tensor:
-        return _linear_fp16_weight(x, self.packed, self.out_features)  # (M, in) -> (M, out)
+        if torch.compiler.is_compiling():
+            return _linear_fp16_weight(x, self.packed, self.out_features)  # (M, in) -> (M, out), captured as an op
+        # eager: the function itself (the op's first call imports torch._dynamo: 1.4 s before the first token)
+        return _fp16_weight_product(x, self.packed, self.out_features)  # (M, in) -> (M, out)
 
 
 class Int8Linear(PackedLinear):
@@ -204,13 +212,16 @@ class Int4Linear(PackedLinear):
     packed: Tensor  # uint8 (out, in / 2), the kernel's tiles
     scale_zero: Tensor  # bfloat16 (in / 32, out, 2)
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *,
+                 grid: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
         out_features, in_features = weight.shape
-        if in_features % GROUP or out_features % 16:
+        if not int4_fits(out_features, in_features):
             raise ValueError(f"int4 weights need inputs in groups of {GROUP} and outputs in multiples of 16 (the "
                              f"kernel's tiles), got in_features={in_features}, out_features={out_features}")
         super().__init__(in_features, out_features, bias)
-        codes, scale, low = int4_grid(weight)  # (N, K), (N, K/32), (N, K/32)
+        # (N, K), (N, K/32), (N, K/32): the weight's own grid, or one given (a file's Q4_1 blocks; weight unread)
+        codes, scale, low = int4_grid(weight) if grid is None else grid
+        scale, low = scale.to(torch.bfloat16), low.to(torch.bfloat16)
         # the kernel reads w = (code - 8) * scale + zero: zero = low + 8 * scale, per group (K/32, N, 2)
         zero = (low.float() + 8 * scale.float()).to(torch.bfloat16)
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))  # (N, K / 2) uint8
@@ -218,6 +229,11 @@ class Int4Linear(PackedLinear):
 
     def matmul(self, x: Tensor) -> Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)  # (M, K) -> (M, N)
+
+
+def int4_fits(out_features: int, in_features: int) -> bool:
+    """Whether the int4 kernel's tiles fit a layer: inputs in groups of 32, outputs in multiples of 16."""
+    return in_features % GROUP == 0 and out_features % 16 == 0
 
 
 def _refuse_training(module: nn.Module, _: object) -> None:
@@ -236,26 +252,32 @@ def _int8(linear: nn.Linear) -> nn.Module:
     return linear if linear.in_features % 16 else Int8Linear(linear.weight, linear.bias)
 
 
-def _int4_with_float16_head(model: nn.Module) -> Callable[[nn.Linear], nn.Module]:
-    """int4; float16 for a head tied to an embedding; int8 (or float32) where the sizes do not fit int4's tiles."""
+Grids = Mapping[str, tuple[Tensor, Tensor, Tensor]]  # module name -> (codes, scale, minimum) of its weight
+
+
+def _int4_with_float16_head(model: nn.Module, grids: Grids) -> Callable[[nn.Linear, str], nn.Module]:
+    """int4 (from ``grids`` where given); float16 for a head tied to an embedding; int8 (or float32) where the
+    sizes do not fit int4's tiles."""
     tied = _tied_to_embedding(model)
 
-    def make(linear: nn.Linear) -> nn.Module:
+    def make(linear: nn.Linear, name: str) -> nn.Module:
+        if name in grids:
+            return Int4Linear(linear.weight, linear.bias, grid=grids[name])
         if linear.weight.untyped_storage().data_ptr() in tied:
             return Float16Linear(linear.weight, linear.bias)
-        if linear.in_features % GROUP or linear.out_features % 16:
+        if not int4_fits(linear.out_features, linear.in_features):
             return _int8(linear)
         return Int4Linear(linear.weight, linear.bias)
     return make
 
 
-def _swap(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
-    """Replace every ``nn.Linear`` below ``module`` by ``make(linear)``, in place."""
+def _swap(module: nn.Module, make: Callable[[nn.Linear, str], nn.Module], prefix: str = "") -> None:
+    """Replace every ``nn.Linear`` below ``module`` by ``make(linear, its qualified name)``, in place."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, make(child))
+            setattr(module, name, make(child, prefix + name))
         else:
-            _swap(child, make)
+            _swap(child, make, prefix + name + ".")
 
 
 def _check(model: nn.Module, weights: str) -> None:
@@ -273,19 +295,23 @@ def _check(model: nn.Module, weights: str) -> None:
         raise ValueError(f"quantize() takes a float32 model; its linear layers are {sorted(map(str, floats))}")
 
 
-def quantize(model: nn.Module, weights: str) -> nn.Module:
+def quantize(model: nn.Module, weights: str, *, grids: Grids | None = None) -> nn.Module:
     """Swap every ``nn.Linear`` of ``model`` for ``weights``' form, in place; the model is returned in eval mode.
 
     Works on any attnkit model (the decoders, MiniLM): attention layers check
-    their input against an activation dtype, never a weight's.
+    their input against an activation dtype, never a weight's. ``grids``
+    (int4 only): for layers named in it, their 4-bit grid as read from a file
+    (:func:`attnkit.models.gguf.q4_1_grid`), used instead of their weight.
     """
+    if grids and weights != "int4":
+        raise ValueError(f"grids are 4-bit weights: they go with weights='int4', not {weights!r}")
     if weights == "float32" and weight_form(model) == "float32":
         return model  # nothing to swap, whatever the model's dtype (a bfloat16 model stays as it is)
     _check(model, weights)
-    make: Callable[[nn.Linear], nn.Module] = {
-        "float16": lambda linear: Float16Linear(linear.weight, linear.bias),
-        "int8": _int8,
-    }.get(weights) or _int4_with_float16_head(model)
+    make: Callable[[nn.Linear, str], nn.Module] = {
+        "float16": lambda linear, _: Float16Linear(linear.weight, linear.bias),
+        "int8": lambda linear, _: _int8(linear),
+    }.get(weights) or _int4_with_float16_head(model, grids or {})
     _swap(model, make)
     model.weight_form = weights  # type: ignore[assignment]
     model.register_forward_pre_hook(_refuse_training)
