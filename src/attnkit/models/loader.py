@@ -29,7 +29,7 @@ from attnkit._cpu import warn_if_slow_dtype
 from attnkit._optional import MissingDependencyError
 from attnkit.modules.quantize import WEIGHT_FORMS, int4_fits, resolve_form
 
-from .decoder import DecoderModel, assemble, pack
+from .decoder import DecoderModel, assemble, pack, release_freed_memory
 from .gguf import Q4_1_BLOCK, GGUFFile, q4_1_grid, read_gguf, unpermute_rows
 from .llama import LlamaConfig, LlamaModel, transposed_storage
 from .tokenizer import GGUFTokenizer
@@ -260,7 +260,10 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if resolve_form(weights, LlamaModel.accurate_forms) == "int4":
         grids = {}  # Q4_1 layers go to int4 from their blocks: not dequantised, not re-gridded
     state = convert_gguf_weights(file, config, progress, dtype=dtype, grids=grids)
-    return pack(assemble(lambda: LlamaModel(config, tokenizer), state, dtype), weights, grids)
+    model = pack(assemble(lambda: LlamaModel(config, tokenizer), state, dtype), weights, grids)
+    del state, grids  # the float32 and 4-bit temporaries the packed layers replaced: freed, then handed back
+    release_freed_memory()
+    return model
 
 
 def file_tokenizer(file: GGUFFile, vocab_size: int, context_length: int, vocab_key: str) -> GGUFTokenizer:
