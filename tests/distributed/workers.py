@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit.backends import chunked
-from attnkit.distributed import ContextParallel, ring, ring_attention, ring_timing, shard, unshard
+from attnkit.distributed import ContextParallel, ring, ring_attention, ring_timing, shard, timing, unshard
 from attnkit.functional import alibi, document_mask, prefix_lm, sink_window
 
 from . import modifier_cases
@@ -165,14 +165,14 @@ def timing_case() -> None:
     world = dist.get_world_size()
     q = torch.randn(1, 2, 8 * world, 8, requires_grad=True)
     names: list[str] = []
-    real = ring.record_function
+    real = timing.record_function
 
     def recorded(name: str):
         names.append(name)
         return real(name)
 
     start = time.perf_counter()
-    with mock.patch.object(ring, "record_function", recorded), ring_timing() as spent:
+    with mock.patch.object(timing, "record_function", recorded), ring_timing() as spent:
         ring_attention(q, q, q, causal=True).sum().backward()
         with ring_timing() as inner:
             ring_attention(q, q, q, causal=True).sum().backward()
@@ -183,7 +183,7 @@ def timing_case() -> None:
     assert 0 < inner.compute_s < spent.compute_s and inner.wait_s <= spent.wait_s, (inner, spent)
     ring_attention(q, q, q, causal=True).sum().backward()  # after both blocks: counted by neither
     assert (inner.compute_s, inner.wait_s) == nested
-    assert set(names) == {ring.COMPUTE_EVENT, ring.WAIT_EVENT}, set(names)
+    assert set(names) == {timing.COMPUTE_EVENT, timing.WAIT_EVENT}, set(names)
 
 
 _MOD_ERRORS: dict[str, tuple[Callable[[bool], dict], str]] = {  # modifiers: (rank 1 odd?) -> arguments, message

@@ -14,7 +14,8 @@ the processes with ``torchrun``.
 
 from .layout import LAYOUTS, shard, shard_positions, unshard
 from .parallel import ContextParallel
-from .ring import RingTimes, ring_attention, ring_timing
+from .ring import ring_attention
+from .timing import RingTimes, ring_timing
 
 __all__ = ["LAYOUTS", "ContextParallel", "RingTimes", "ring_attention", "ring_timing", "shard", "shard_positions",
            "unshard"]

@@ -40,17 +40,12 @@ per shard, L positions of a chunk in one piece.
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.profiler import record_function
 
 from attnkit.backends.blockmods import BlockMods, block_mods
 from attnkit.backends.call import compute_dtype
@@ -62,65 +57,10 @@ from attnkit.functional.modifiers import MaskMod, ScoreMod
 
 from .checks import captured_by, check_agreement, describe
 from .layout import chunk_positions, rank_and_world
+from .timing import COMPUTE_EVENT, WAIT_EVENT, timed
 
 _PIECES = 8  # pieces per shard: two in flight are n / 4 positions at any P
 _MIN_PIECE_ROWS = 128  # positions of a chunk per piece: smaller blocks cost the kernel more than they save
-
-
-COMPUTE_EVENT = "attnkit.ring.compute"  # torch.profiler range of each piece's block kernels
-WAIT_EVENT = "attnkit.ring.wait"  # torch.profiler range of each wait on the ring's communication
-
-
-@dataclass
-class RingTimes:
-    """Seconds spent computing blocks and waiting on communication (see :func:`ring_timing`)."""
-
-    compute_s: float = 0.0
-    wait_s: float = 0.0
-
-
-_OPEN_TIMINGS: list[RingTimes] = []  # the ring_timing blocks open now, in any thread; empty outside them
-_TIMINGS_LOCK = threading.Lock()
-
-
-@contextmanager
-def ring_timing() -> Iterator[RingTimes]:
-    """This process's compute and wait time of every ring call in the block, as the ring runs.
-
-    The ring marks its work with ``torch.profiler.record_function`` ranges
-    (:data:`COMPUTE_EVENT`, :data:`WAIT_EVENT`), which any profiler sees
-    (e.g. one that exports a trace); this block adds up their wall time
-    itself, without a profiler (which would cost time and memory in the
-    block, and leaves a thread of its own in the process). Work in every
-    thread counts (a backward pass on an autograd device thread included);
-    nested blocks each count all of it.
-    """
-    times = RingTimes()
-    with _TIMINGS_LOCK:
-        _OPEN_TIMINGS.append(times)
-    try:
-        yield times
-    finally:
-        with _TIMINGS_LOCK:
-            _OPEN_TIMINGS[:] = [t for t in _OPEN_TIMINGS if t is not times]
-
-
-@contextmanager
-def _timed(event: str) -> Iterator[None]:
-    """A profiler range named ``event`` whose wall time goes to every open :func:`ring_timing` block."""
-    start = time.perf_counter()
-    try:
-        with record_function(event):
-            yield
-    finally:
-        if _OPEN_TIMINGS:
-            elapsed = time.perf_counter() - start
-            with _TIMINGS_LOCK:
-                for times in _OPEN_TIMINGS:
-                    if event == COMPUTE_EVENT:
-                        times.compute_s += elapsed
-                    else:
-                        times.wait_s += elapsed
 
 
 def _piece_rows(chunk: int) -> int:
@@ -187,7 +127,7 @@ class _Exchange:
         self.works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> list[Tensor]:
-        with _timed(WAIT_EVENT):
+        with timed(WAIT_EVENT):
             for work in self.works:
                 work.wait()
         return self.received
@@ -261,7 +201,7 @@ def _ring_forward(spec: _Spec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
         coming = [] if following is None or following[1] == 0 else [
             _buffer(x, chunks * len(pieces[following[0]])) for x in local]
         exchange = _Exchange(spec, held if hops < last else [], coming)
-        with _timed(COMPUTE_EVENT):
+        with timed(COMPUTE_EVENT):
             _forward_piece(spec, q, (spec.rank - hops) % spec.world, pieces[index], held, acc)
         arrived = exchange.wait()
     return acc
@@ -331,7 +271,7 @@ def _ring_backward(spec: _Spec, k: Tensor, v: Tensor, mask: Tensor | None, mine:
         if now is not None:
             index, hops = now
             held = own_piece(index) if hops == 0 else arrived
-            with _timed(COMPUTE_EVENT):
+            with timed(COMPUTE_EVENT):
                 _backward_piece(spec, mine, (spec.rank - hops) % spec.world, pieces[index], held)
             done = (index, hops, held)
             if not last:  # one rank: the piece is home after its only computation
