@@ -94,7 +94,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace, *, chat: bool) -> None:
     """Reject bad options before the (slow) model load; ``chat``: the prompt goes through a chat template."""
-    from attnkit.models.generation import Sampler, SinkSpec
+    from attnkit.models.generation import Sampler
+    from attnkit.models.streaming import SinkSpec
 
     if args.gguf is not None and args.model is not None:
         raise ValueError(f"--model {args.model} and --gguf name two models: give one")
@@ -201,7 +202,8 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
     """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``)."""
     import torch
 
-    from attnkit.models.generation import GenerationStats, IncrementalDecoder, SinkSpec, generate_steps
+    from attnkit.models.generation import GenerationStats, IncrementalDecoder, generate_steps
+    from attnkit.models.streaming import SinkSpec
 
     endless = SinkSpec.parse(args.cache) is not None  # sink caches: no limit on new tokens
     room = args.max_new_tokens if endless else model.context_length - len(ids)

@@ -16,7 +16,7 @@ after storing ``input_ids`` in the caches. The loop then
 
 The caches are the model's (``new_caches``: growing, or static under
 ``compile``), or with ``cache="sink:SINKS,WINDOW"`` one
-:class:`attnkit.modules.sink_cache.SinkCache` per layer: constant memory,
+:class:`attnkit.modules.sink_cache.SinkCache` per layer (:mod:`.streaming`): constant memory,
 as many new tokens as asked for (past the context length), the prompt fed in
 pieces that keep the cache's bound.
 
@@ -41,9 +41,9 @@ import torch
 from torch import Tensor
 
 from attnkit.modules.kv_cache import Cache
-from attnkit.modules.sink_cache import SinkCache
 
 from .sampling import Sampler, row_seeds
+from .streaming import SinkSpec
 
 
 class CausalLM(Protocol):
@@ -64,59 +64,6 @@ class CausalLM(Protocol):
         ``positions`` None: after what the caches hold. Position -1 marks padding.
         """
         ...
-
-
-@dataclass(frozen=True)
-class SinkSpec:
-    """``cache="sink:SINKS,WINDOW[,CHUNK]"``: one :class:`SinkCache` per attention layer (see its arguments)."""
-
-    sinks: int
-    window: int
-    chunk: int = 64
-
-    def __post_init__(self) -> None:
-        SinkCache(sinks=self.sinks, window=self.window, chunk=self.chunk, rope=None)  # raises naming a bad count
-
-    @classmethod
-    def parse(cls, cache: object) -> SinkSpec | None:
-        """None for "full" (the model's own caches); a SinkSpec for "sink:4,1020" or "sink:4,1020,64"."""
-        if isinstance(cache, SinkSpec) or cache == "full":
-            return cache if isinstance(cache, SinkSpec) else None
-        text = cache if isinstance(cache, str) else ""
-        kind, _, numbers = text.partition(":")
-        parts = numbers.split(",")
-        if kind.strip() != "sink" or len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f'cache must be "full" (the default: a cache that grows) or "sink:SINKS,WINDOW" or '
-                             f'"sink:SINKS,WINDOW,CHUNK" (attention sinks and a recent window, e.g. "sink:4,1020"), '
-                             f"got cache={cache!r}")
-        return cls(*(int(p) for p in parts))
-
-    @property
-    def capacity(self) -> int:
-        """The most positions a cache holds (:attr:`SinkCache.capacity`)."""
-        return self.sinks + self.window + self.chunk - 1
-
-    def caches(self, model: object) -> list[Cache]:
-        """One SinkCache per attention layer of ``model`` (its blocks' ``attention``), with that layer's rope."""
-        return sink_caches(model, sinks=self.sinks, window=self.window, chunk=self.chunk)
-
-    def pieces(self, length: int) -> list[int]:
-        """The sizes a prompt of ``length`` tokens is fed in: as much as fits the bound, then a chunk at a time."""
-        first = min(length, self.capacity)
-        rest = length - first
-        return [first] + [self.chunk] * (rest // self.chunk) + ([rest % self.chunk] if rest % self.chunk else [])
-
-
-def sink_caches(model: object, *, sinks: int = 4, window: int = 1020, chunk: int = 64) -> list[Cache]:
-    """One :class:`SinkCache` per attention layer of a decoder, each with its own layer's rotary embedding.
-
-    The layers are ``model.layers[i].attention`` (:class:`attnkit.models.decoder.DecoderModel`'s blocks).
-    """
-    attentions: list[Any] = [getattr(block, "attention", None) for block in getattr(model, "layers", None) or []]
-    if not attentions or not all(hasattr(attention, "rope") for attention in attentions):
-        raise TypeError(f"sink caches need a decoder whose blocks hold their attention layer as `attention` "
-                        f"(model.layers[i].attention, as attnkit's decoders do); {type(model).__name__} has none")
-    return [SinkCache(sinks=sinks, window=window, chunk=chunk, rope=attention.rope) for attention in attentions]
 
 
 @dataclass(frozen=True)
