@@ -67,6 +67,7 @@ class BlockMods:
     key_start: int = 0
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
+    in_place: bool = False  # score_mod has its own in-place form (ScoreModifier.modify_): found once, not per block
 
     def positions(self, rows: range, cols: range, offset: int) -> tuple[range, range]:
         first_q = self.key_start + offset
@@ -122,8 +123,8 @@ class BlockMods:
         """
         b, g, rt, sb = s.shape
         s4 = s.view(b, self.h.shape[1], len(rows), sb)  # (B, G, R*Tb, Sb) -> (B, H, Tb, Sb)
-        if inplace and isinstance(self.score_mod, ScoreModifier) and _writes_in_place(self.score_mod):
-            s4 = self.score_mod.modify_(s4, *self.indices(rows, cols, offset))  # a built-in writes into s4
+        if inplace and self.in_place:  # a built-in writes into s4
+            s4 = self.score_mod.modify_(s4, *self.indices(rows, cols, offset))  # type: ignore[union-attr]
         elif self.score_mod is not None:
             s4 = apply_score_mod(self.score_mod, s4, self.indices(rows, cols, offset))
             inplace = False  # its result may be expanded, or saved for its backward
@@ -161,11 +162,6 @@ class BlockMods:
         return torch.exp(s.detach() - lse), through
 
 
-def _writes_in_place(fn: ScoreModifier) -> bool:
-    """Whether ``fn`` has its own in-place form (:meth:`ScoreModifier.modify_`), as the built-ins do."""
-    return declares(fn, "modify_")
-
-
 def block_mods(score_mod: ScoreMod | None, mask_mod: MaskMod | None, *, batch: int, num_heads: int,
                q_positions: range, kv_positions: range, device: torch.device,
                explicit: tuple[Tensor, Tensor] | None = None) -> BlockMods:
@@ -174,14 +170,15 @@ def block_mods(score_mod: ScoreMod | None, mask_mod: MaskMod | None, *, batch: i
     ``explicit``: (queries (B, T), keys (B, S)) positions, long, that replace the ranges.
     """
     b, h, _, _ = index_grid(batch, num_heads, range(0), range(0), device)
+    in_place = isinstance(score_mod, ScoreModifier) and declares(score_mod, "modify_")
     if explicit is not None:
         q_pos, k_pos = explicit
         q4, k4 = q_pos[:, None, :, None], k_pos[:, None, None, :]  # (B, T) -> (B, 1, T, 1), (B, S) -> (B, 1, 1, S)
-        return BlockMods(score_mod, mask_mod, None, b, h, 0, q4, k4)
+        return BlockMods(score_mod, mask_mod, None, b, h, 0, q4, k4, in_place)
     rule = None
     if isinstance(mask_mod, MaskModifier):
         rule = mask_mod.block_rule(batch, q_positions, kv_positions)
-    return BlockMods(score_mod, mask_mod, rule, b, h, kv_positions.start)
+    return BlockMods(score_mod, mask_mod, rule, b, h, kv_positions.start, in_place=in_place)
 
 
 class _Captures(TorchFunctionMode):

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from attnkit.functional import Visibility, block_visibility, combine_masks, key_padding_to_mask, visible_band
-from attnkit.functional.modifiers import Band, MaskMod, ScoreMod, and_masks, modifier_name
+from attnkit.functional.modifiers import Band, MaskMod, MaskModifier, ScoreMod, ScoreModifier, and_masks, modifier_name
 
 from .modifiers import (
     MASK_ARGS,
@@ -320,7 +320,8 @@ def _with_modifiers(call: AttentionCall, score_mod: object, mask_mod: object, si
     check_modifier(score_mod, "score_mod", SCORE_ARGS)
     check_modifier(mask_mod, "mask_mod", MASK_ARGS)
     q_pos, k_pos = _check_call_positions(positions, call)
-    if q_pos is None or not torch.compiler.is_compiling():  # the span of explicit positions is a host read
+    built_in = any(isinstance(fn, (ScoreModifier, MaskModifier)) for fn in (score_mod, mask_mod))
+    if built_in and (q_pos is None or not torch.compiler.is_compiling()):  # only built-ins check; spans: a host read
         spans = (call.q_positions, call.kv_positions) if q_pos is None or k_pos is None else position_ranges(
             q_pos, k_pos)
         for fn in (score_mod, mask_mod):

@@ -54,7 +54,7 @@ from attnkit.modules.kv_cache import Cache
 from .decoder import DecoderModel, GatedMLP, assemble, pack, transposed_storage
 from .generation import Tokenizer
 from .gguf import GGUFFile
-from .loader import _fuse, _number, _positive, _tensor, file_tokenizer, load_gguf
+from .loader import _fuse, _number, _positive, _tensor, file_tokenizer, finish, load_gguf
 
 # The weight forms (attnkit.modules.quantize) that meet attnkit's accuracy bar on Gemma 3 270M, fastest first:
 # >= 97% of greedy choices and perplexity within 3% of float32's, teacher-forced on 572 tokens of prose
@@ -252,11 +252,7 @@ def gemma3_weights(file: GGUFFile, config: Gemma3Config, progress: Callable[[int
             progress(layer + 1, total)
     expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
         f"blk.{layer}.{name}.weight" for layer in range(config.num_layers) for name in _BLOCK_TENSORS}
-    unexpected = sorted(set(file.tensor_names) - expected)
-    if unexpected:
-        raise ValueError(f"{file.path}: tensors {unexpected[:5]} are not part of the supported Gemma 3 architecture")
-    if progress is not None:
-        progress(total, total)
+    finish(file, expected, "Gemma 3", progress, total)
     return out
 
 

@@ -143,7 +143,7 @@ def _tensor(file: GGUFFile, name: str, shape: tuple[int, ...]) -> np.ndarray:
 def _fuse(file: GGUFFile, parts: Sequence[tuple[str, tuple[int, ...], int | None]]) -> Tensor:
     """Tensors (name, shape, heads) concatenated by rows; Q/K rows (heads given) un-permuted for half-split RoPE."""
     arrays = [_tensor(file, n, s) if h is None else unpermute_rows(_tensor(file, n, s), h) for n, s, h in parts]
-    return torch.from_numpy(np.concatenate(arrays, axis=0))  # rows stacked: (sum of outs, in)
+    return torch.from_numpy(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0))  # (sum of outs, in)
 
 
 def _grid_rows(file: GGUFFile, parts: Sequence[tuple[str, tuple[int, ...], int | None]]
@@ -213,12 +213,19 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
         out[new + "mlp_norm.weight"] = take(names["ffn_norm"], (c,))
         if progress is not None:
             progress(layer + 1, total)
+    finish(file, expected, "Llama", progress, total)
+    return out
+
+
+def finish(file: GGUFFile, expected: set[str], architecture: str, progress: Callable[[int, int], None] | None,
+           total: int) -> None:
+    """Refuse a file holding tensors the architecture has no place for (naming them); then report the end."""
     unexpected = sorted(set(file.tensor_names) - expected)
     if unexpected:
-        raise ValueError(f"{file.path}: tensors {unexpected[:5]} are not part of the supported Llama architecture")
+        raise ValueError(f"{file.path}: tensors {unexpected[:5]} are not part of the supported {architecture} "
+                         "architecture")
     if progress is not None:
         progress(total, total)
-    return out
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,

@@ -242,6 +242,8 @@ class MultiHeadAttention(AttentionHeads):
 
     def _modifiers(self, mask_mod: MaskMod | None) -> Modifiers | None:
         """The layer's modifiers and sinks, with this call's mask modifier and-ed in; None if there are none."""
+        if mask_mod is None and self.score_mod is None and self.mask_mod is None and self.sinks is None:
+            return None  # the common case, once per layer and step
         if mask_mod is not None and self.mask_mod is not None:
             mask_mod = and_masks(self.mask_mod, mask_mod)
         mods = Modifiers(self.score_mod, self.mask_mod if mask_mod is None else mask_mod, self.sinks)
@@ -284,8 +286,8 @@ class MultiHeadAttention(AttentionHeads):
         k, v, s = keys.k, keys.v, keys.k.shape[2]
         modified = mods is not None and mods.modified
         plain_keys = key_mask is None or (isinstance(key_mask, Tensor) and key_mask.shape == (b, s))
-        w = self.window if self.causal and attn_mask is None and not need_weights and plain_keys else None
-        w = None if modified else w
+        trim = self.causal and attn_mask is None and not need_weights and plain_keys and not modified
+        w = self.window if trim else None  # the window whose hidden keys may be left out
         if keys.positions is None and not isinstance(positions, Tensor):  # a plain prefix: the symbolic band
             if w is not None and s > w + t - 1:  # keys before the last window + T - 1 are hidden from every query
                 first = s - (w + t - 1)
