@@ -193,3 +193,25 @@ def test_a_cache_that_cannot_be_written_is_skipped(tmp_path: Path, monkeypatch: 
     write_tiny_llama(path)
     assert read_gguf(path, index=True).metadata["llama.block_count"] == 2
     assert read_gguf(path).tensor_names == read_gguf(path, index=True).tensor_names
+
+
+def test_an_index_that_is_not_an_object_or_from_another_copy_is_not_used(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from attnkit.models.gguf import index_path
+
+    monkeypatch.setenv("ATTNKIT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, seed=0)
+    read_gguf(path, index=True)
+    index_path(path).write_text("[]")  # valid JSON, not an index: parsed again
+    assert read_gguf(path, index=True).metadata["llama.block_count"] == 2
+    other = tmp_path / "other.gguf"
+    weights = write_tiny_llama(other, seed=1)
+    first = index_path(path)
+    path.unlink()
+    shutil.copy2(other, path)  # same path, size and modification time as `other`: a different file all the same
+    assert index_path(path) != first
+    np.testing.assert_array_equal(read_gguf(path, index=True).tensor("output_norm.weight"),
+                                  weights["output_norm.weight"])

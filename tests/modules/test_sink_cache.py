@@ -384,3 +384,11 @@ def test_half_precision_keys_are_re_rotated_in_float32():
     error = (held - want).norm() / want.norm()
     one_rounding = (want.bfloat16().double() - want).norm() / want.norm()
     assert float(error / one_rounding) < 5.5
+
+
+def test_a_cache_spec_with_non_ascii_digits_is_refused_by_name():
+    from attnkit.models.streaming import SinkSpec
+
+    with pytest.raises(ValueError, match=r"cache='sink:²,10'"):
+        SinkSpec.parse("sink:²,10")
+    assert SinkSpec.parse(" sink: 4 , 1020 ") == SinkSpec(4, 1020)

@@ -154,9 +154,14 @@ def _parse(path: Path) -> GGUFFile:
 
 
 def index_path(path: Path) -> Path:
-    """Where the index of ``path`` (as it is now: size and modification time) lives in the cache folder."""
+    """Where the index of ``path`` lives in the cache folder: keyed by the file as it is now (size, modification
+    and change times, inode: a copy that keeps the modification time is another file) and the gguf package's
+    version (which reads it)."""
+    from importlib.metadata import version
+
     stat = path.stat()
-    key = f"{_INDEX_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = (f"{_INDEX_VERSION}:{version('gguf')}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:"
+           f"{stat.st_ctime_ns}:{stat.st_ino}")
     cache = Path(os.environ.get("ATTNKIT_CACHE") or Path.home() / ".cache" / "attnkit")
     return cache / "gguf-index" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
@@ -180,7 +185,7 @@ def _from_index(path: Path, where: Path) -> GGUFFile | None:
     gguf = require("gguf", "Reading GGUF files")
     try:
         record = json.loads(where.read_text())
-        if record.get("version") != _INDEX_VERSION:
+        if not isinstance(record, dict) or record.get("version") != _INDEX_VERSION:
             return None
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         tensors = {}
@@ -189,7 +194,7 @@ def _from_index(path: Path, where: Path) -> GGUFFile | None:
             data = np.frombuffer(mm, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
             tensors[name] = GGUFTensor(data, gguf.GGMLQuantizationType(kind), tuple(dims), offset)
         return GGUFFile(path, record["metadata"], tensors)
-    except (OSError, ValueError, KeyError, TypeError):  # missing, stale or damaged: parse the file again
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing or damaged: parse the file again
         return None
 
 

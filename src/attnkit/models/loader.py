@@ -204,7 +204,7 @@ def convert_gguf_weights(file: GGUFFile, config: LlamaConfig,
             grid = None if grids is None else _grid_rows(file, parts)
             if grids is not None and grid is not None:
                 grids[new + module] = grid
-                out[new + module + ".weight"] = torch.empty(grid[0].shape, dtype=dtype)  # replaced, never read
+                out[new + module + ".weight"] = torch.empty(grid[0].shape, dtype=dtype, device="meta")  # never read
             elif module == "mlp.gate_up_proj":
                 out[new + module + ".weight"] = transposed_storage(_fuse(file, parts).to(dtype))  # (2I, C)
             else:

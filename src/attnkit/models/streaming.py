@@ -32,8 +32,8 @@ class SinkSpec:
             return cache if isinstance(cache, SinkSpec) else None
         text = cache if isinstance(cache, str) else ""
         kind, _, numbers = text.partition(":")
-        parts = numbers.split(",")
-        if kind.strip() != "sink" or len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
+        parts = [p.strip() for p in numbers.split(",")]
+        if kind.strip() != "sink" or len(parts) not in (2, 3) or not all(p.isascii() and p.isdigit() for p in parts):
             raise ValueError(f'cache must be "full" (the default: a cache that grows) or "sink:SINKS,WINDOW" or '
                              f'"sink:SINKS,WINDOW,CHUNK" (attention sinks and a recent window, e.g. "sink:4,1020"), '
                              f"got cache={cache!r}")

@@ -220,6 +220,9 @@ class Int4Linear(PackedLinear):
                              f"kernel's tiles), got in_features={in_features}, out_features={out_features}")
         super().__init__(in_features, out_features, bias)
         # (N, K), (N, K/32), (N, K/32): the weight's own grid, or one given (a file's Q4_1 blocks; weight unread)
+        if grid is not None and tuple(grid[0].shape) != (out_features, in_features):
+            raise ValueError(f"an int4 grid of codes {tuple(grid[0].shape)} for a ({out_features}, {in_features}) "
+                             "weight: it is another layer's")
         codes, scale, low = int4_grid(weight) if grid is None else grid
         scale, low = scale.to(torch.bfloat16), low.to(torch.bfloat16)
         # the kernel reads w = (code - 8) * scale + zero: zero = low + 8 * scale, per group (K/32, N, 2)
@@ -271,6 +274,15 @@ def _int4_with_float16_head(model: nn.Module, grids: Grids) -> Callable[[nn.Line
     return make
 
 
+def _check_grid_names(model: nn.Module, grids: Grids) -> None:
+    """Every grid must name a linear layer of ``model`` (a misspelt name would leave its layer unread)."""
+    linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    unknown = sorted(set(grids) - linears)
+    if unknown:
+        raise ValueError(f"grids {unknown[:3]} name no linear layer of this model (layer names, e.g. "
+                         f"{sorted(linears)[:2]})")
+
+
 def _swap(module: nn.Module, make: Callable[[nn.Linear, str], nn.Module], prefix: str = "") -> None:
     """Replace every ``nn.Linear`` below ``module`` by ``make(linear, its qualified name)``, in place."""
     for name, child in module.named_children():
@@ -312,6 +324,7 @@ def quantize(model: nn.Module, weights: str, *, grids: Grids | None = None) -> n
         "float16": lambda linear, _: Float16Linear(linear.weight, linear.bias),
         "int8": lambda linear, _: _int8(linear),
     }.get(weights) or _int4_with_float16_head(model, grids or {})
+    _check_grid_names(model, grids or {})
     _swap(model, make)
     model.weight_form = weights  # type: ignore[assignment]
     model.register_forward_pre_hook(_refuse_training)
