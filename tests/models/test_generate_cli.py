@@ -40,6 +40,19 @@ def test_generate_streams_the_greedy_continuation_and_reports_speed(tiny: str,
     assert "tokens/s" in err and "prompt:" in err
 
 
+def test_generate_with_a_bfloat16_cache_says_so_and_decodes_over_it(tiny: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from attnkit.models import load_gguf
+
+    assert main(["generate", "--gguf", tiny, "--max-new-tokens", "6", "--kv-dtype", "bfloat16", "the"]) == 0
+    out, err = capsys.readouterr()
+    assert "bfloat16 KV cache" in err
+    model = load_gguf(tiny, weights="auto")
+    ids = model.tokenize("the")["input_ids"]
+    new = model.generate(ids, max_new_tokens=6, kv_dtype="bfloat16")[0, ids.shape[1] :]
+    assert out == model.decode(new) + "\n"
+
+
 def test_generate_chat_wraps_the_prompt_in_the_template(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--gguf", tiny, "--chat", "--max-new-tokens", "5", "hi"]) == 0
     out, _ = capsys.readouterr()
@@ -61,6 +74,8 @@ def test_generate_sampling_with_a_seed_repeats(tiny: str, capsys: pytest.Capture
     (["--temperature", "-1"], "temperature=-1.0"),
     (["--top-p", "1.5"], "top_p=1.5"),
     ([" "], "the prompt is empty"),
+    (["--kv-dtype", "bfloat16", "--dtype", "bfloat16"], "--dtype bfloat16 computes in the model's dtype"),
+    (["--kv-dtype", "float16", "--cache", "sink:4,20"], "--cache sink:4,20 keeps its window"),
 ])
 def test_generate_bad_options_exit_2_with_one_line(tiny: str, capsys: pytest.CaptureFixture[str],
                                                    args: list[str], message: str) -> None:

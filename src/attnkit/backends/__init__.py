@@ -40,7 +40,7 @@ from torch import Tensor
 from attnkit.functional.modifiers import MaskMod, ScoreMod
 
 from . import chunked, math, sdpa  # noqa: F401  (each registers itself)
-from .call import AttentionCall, check_mask, check_options, make_call
+from .call import AttentionCall, check_mask, check_options, make_call, widened
 from .kernel import Kernel, KernelRequest, check_kernel
 from .math import Intermediates, math_intermediates
 from .registry import AUTO_ORDER, BACKENDS, DENSE_BAND_LIMIT, Backend, check_backend, choose, register
@@ -78,6 +78,7 @@ def run(call: AttentionCall, *, backend: str = "auto", return_weights: bool = Fa
         raise TypeError(f"return_weights must be a bool, got {return_weights!r}")
     chosen = choose(backend, call, return_weights=return_weights)
     observers = _active() if _OBSERVERS else None
+    call = widened(call)  # half-precision keys under float32 queries (a cache storing fewer bytes): float32 copies
     if observers:
         steps = math_intermediates(call)
         for observer in observers:
@@ -113,7 +114,9 @@ def attention(
         k: keys (B, G, S, D), with H a multiple of G: query head h uses
             key/value head h // (H // G) (grouped-query attention; G = 1 is
             multi-query attention).
-        v: values (B, G, S, Dv).
+        v: values (B, G, S, Dv). q, k and v share a dtype, except that
+            float32 queries may read bfloat16 or float16 keys and values (a
+            cache storing them in fewer bytes), over float32 copies of them.
         mask: bool, True = may attend (the one convention in attnkit), or
             float, added to the scores (-inf blocks). Broadcastable to
             (B, H, T, S), e.g. (T, S) for a pattern shared by the batch.

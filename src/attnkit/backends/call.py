@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -178,12 +178,25 @@ def _check_tensor(name: str, t: object) -> Tensor:
 def check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
     """q (B, H, T, D), k (B, G, S, D), v (B, G, S, Dv): floating point, one dtype and device, shapes that fit."""
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.dtype == k.dtype == v.dtype and not stored_narrower(q, k, v):
+        raise TypeError(f"q, k, v must share a dtype (or k, v one of {', '.join(map(str, _UPCAST))} under float32 "
+                        f"q: a cache storing them in fewer bytes), got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     _check_shapes(q, k, v)
     return q, k, v
+
+
+def stored_narrower(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether k and v are half-precision under float32 q (keys from a cache that stores fewer bytes)."""
+    return q.dtype == torch.float32 and k.dtype == v.dtype and k.dtype in _UPCAST
+
+
+def widened(call: AttentionCall) -> AttentionCall:
+    """``call`` with k and v in q's dtype (kernels other than SDPA's decoding path compute in one dtype)."""
+    if call.k.dtype == call.q.dtype:
+        return call
+    return replace(call, k=call.k.to(call.q.dtype), v=call.v.to(call.q.dtype))
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:

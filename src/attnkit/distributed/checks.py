@@ -62,6 +62,8 @@ def _tensor_problem(q: object, k: object, v: object) -> str | None:
         q, k, _ = check_qkv(q, k, v)
     except (TypeError, ValueError) as err:
         return str(err)
+    if q.dtype != k.dtype:
+        return f"ring attention takes q, k, v in one dtype, got q {q.dtype} and k, v {k.dtype}"
     if q.shape[2] != k.shape[2]:
         return f"q, k and v must hold the same n positions of this rank, got q n={q.shape[2]}, k n={k.shape[2]}"
     return None

@@ -64,6 +64,9 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
                    + "; ".join(f"{name}: {what}" for name, what in MODELS.items()))
     p.add_argument("--gguf", metavar="FILE", help="a Llama- or Gemma 3-architecture GGUF file instead of a "
                    "packaged model")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the dtype the KV cache stores keys and values in (with --cache full and float32 compute; "
+                   "default float32): bfloat16 or float16 halve its memory, so twice the context fits")
     p.add_argument("--cache", default="full", metavar="full|sink:SINKS,WINDOW[,CHUNK]",
                    help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
                    "first 4 tokens and a recent window of 1020 (StreamingLLM), in constant memory and with no "
@@ -109,7 +112,11 @@ def _check(args: argparse.Namespace, *, chat: bool) -> None:
     if args.weights not in (None, "float32") and args.dtype != "float32":
         raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
     Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value
-    SinkSpec.parse(args.cache)
+    sink = SinkSpec.parse(args.cache)
+    if args.kv_dtype != "float32" and (sink is not None or args.dtype != "float32"):
+        why = f"--cache {args.cache} keeps its window" if sink is not None else f"--dtype {args.dtype} computes"
+        raise ValueError(f"--kv-dtype {args.kv_dtype} stores a float32 model's cache in fewer bytes; {why} in the "
+                         "model's dtype: drop one of them")
 
 
 def _stderr() -> Any:
@@ -151,7 +158,8 @@ def _load(args: argparse.Namespace, console: Any) -> DecoderModel:
             warnings.simplefilter("always", SlowDtypeWarning)
             model = load_gguf(path, dtype=getattr(torch, args.dtype), progress=report, weights=asked)
     weights = weight_form(model)
-    _note(console, f"{path}: {weights} weights, {args.dtype} compute "
+    kv = args.kv_dtype if args.kv_dtype != "float32" else args.dtype
+    _note(console, f"{path}: {weights} weights, {args.dtype} compute, {kv} KV cache "
                    f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
     escape = require("rich.markup", "attnkit generate").escape
     for warning in slow:
@@ -215,7 +223,8 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
     stats, text, pieces, last = GenerationStats(), IncrementalDecoder(model.decode), [], -1
     try:
         steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, stats=stats)
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache,
+                               kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype, stats=stats)
         for token in steps:  # (1,)
             last = int(token[0])
             pieces.append(_write(text.add(last)))

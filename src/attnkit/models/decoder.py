@@ -118,14 +118,16 @@ class DecoderModel(GenerationMixin, nn.Module):
         if self.config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def new_caches(self, capacity: int | None = None, *, static: bool = False) -> list[Cache]:
+    def new_caches(self, capacity: int | None = None, *, static: bool = False,
+                   dtype: torch.dtype | None = None) -> list[Cache]:
         """One empty cache per layer: a growing :class:`attnkit.KVCache` (up to ``capacity`` positions,
-        or unbounded), or with ``static`` a :class:`attnkit.StaticKVCache` of ``capacity`` slots."""
+        or unbounded), or with ``static`` a :class:`attnkit.StaticKVCache` of ``capacity`` slots; ``dtype``:
+        the dtype they store keys and values in (None: the model's; bfloat16 / float16: half the bytes)."""
         if static:
             if capacity is None:
                 raise ValueError("a static cache needs a capacity (positions 0 .. capacity - 1)")
-            return [StaticKVCache(capacity) for _ in self.layers]
-        return [KVCache(capacity) for _ in self.layers]
+            return [StaticKVCache(capacity, dtype=dtype) for _ in self.layers]
+        return [KVCache(capacity, dtype=dtype) for _ in self.layers]
 
     def _hidden(self, input_ids: Tensor, positions: Tensor | None, key_mask: Tensor | None,
                 kv_caches: Sequence[Cache | None]) -> Tensor:

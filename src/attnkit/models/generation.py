@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from attnkit.modules.kv_cache import Cache
+from attnkit.modules.kv_cache import Cache, check_storage_dtype
 
 from .sampling import Sampler, row_seeds
 from .streaming import SinkSpec
@@ -54,7 +54,8 @@ class CausalLM(Protocol):
     pad_token_id: int
     stop_token_ids: tuple[int, ...]
 
-    def new_caches(self, capacity: int | None = None, *, static: bool = False) -> list[Cache]:
+    def new_caches(self, capacity: int | None = None, *, static: bool = False,
+                   dtype: torch.dtype | None = None) -> list[Cache]:
         """One empty KV cache per attention layer, each for up to ``capacity`` positions."""
         ...
 
@@ -86,6 +87,12 @@ class GenerationOptions:
             "sink:SINKS,WINDOW[,CHUNK]" (a :class:`SinkSpec`): attention sinks
             and a recent window in constant memory, with no limit on new
             tokens; prompts without padding, not with ``compile``.
+        kv_dtype: the dtype the full caches store keys and values in: None
+            (default: the model's), or ``torch.bfloat16`` / ``torch.float16``
+            (or their names) under a float32 model: half the bytes per cached
+            position, and a faster decoding step over a long context where
+            the CPU has bfloat16 arithmetic (BENCHMARKS.md); attention then
+            reads rounded keys and values.
     """
 
     max_new_tokens: int = 128
@@ -96,6 +103,7 @@ class GenerationOptions:
     stop_ids: Sequence[int] | None = None
     compile: bool = False
     cache: str | SinkSpec = "full"
+    kv_dtype: torch.dtype | str | None = None
     sampler: Sampler = field(init=False, repr=False, compare=False)
     sink: SinkSpec | None = field(init=False, repr=False, compare=False)
 
@@ -107,6 +115,10 @@ class GenerationOptions:
             raise TypeError(f"compile must be a bool, got compile={self.compile!r}")
         object.__setattr__(self, "sampler", Sampler(self.temperature, self.top_k, self.top_p))
         object.__setattr__(self, "sink", SinkSpec.parse(self.cache))
+        object.__setattr__(self, "kv_dtype", kv_storage(self.kv_dtype))
+        if self.sink is not None and self.kv_dtype is not None:
+            raise ValueError(f"kv_dtype={self.kv_dtype} is for the full caches; cache={self.cache!r} keeps its "
+                             "window in the model's dtype: use one or the other")
         if self.sink is not None and self.compile:
             raise ValueError(f"compile=True runs over static caches, and cache={self.cache!r} is not one (its "
                              "evictions change the shapes): use one or the other")
@@ -139,6 +151,19 @@ class GenerationStats:
         """New tokens after the first (which prefill produced) per second of decoding."""
         steps = max(self.new_tokens - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def kv_storage(kv_dtype: object) -> torch.dtype | None:
+    """A cache storage dtype from a dtype or its name ("bfloat16", "float16"); None = the model's own."""
+    named = getattr(torch, kv_dtype, None) if isinstance(kv_dtype, str) and kv_dtype in _KV_NAMES else kv_dtype
+    try:
+        return check_storage_dtype(named)
+    except ValueError:
+        raise ValueError(f"kv_dtype must be None (the model's dtype), 'bfloat16' or 'float16' (or the torch dtype), "
+                         f"got kv_dtype={kv_dtype!r}") from None
+
+
+_KV_NAMES = ("bfloat16", "float16")
 
 
 def check_input_ids(model: CausalLM, input_ids: object) -> Tensor:
@@ -278,7 +303,7 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
     b, t = ids.shape
     stop_ids = torch.tensor(stops, dtype=torch.long, device=ids.device)  # (n_stops,)
     if opts.sink is None:
-        caches = model.new_caches(t + opts.max_new_tokens, static=opts.compile)
+        caches = model.new_caches(t + opts.max_new_tokens, static=opts.compile, dtype=opts.kv_dtype)  # type: ignore[arg-type]
     else:
         caches = opts.sink.caches(model)  # constant memory; positions assigned inside each cache
     positions = prompt_positions(mask)  # (B, T) or None
@@ -326,7 +351,7 @@ def generate(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None =
         attention_mask: (B, T) bool or 0/1, True/1 = real token; None = all real.
         stats: filled with token counts and timings.
         options: :class:`GenerationOptions` (max_new_tokens, temperature,
-            top_k, top_p, seed, stop_ids, compile, cache).
+            top_k, top_p, seed, stop_ids, compile, cache, kv_dtype).
     """
     new = list(generate_steps(model, input_ids, attention_mask, stats=stats, **options))
     return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)  # (B, T) + (B, n) -> (B, T + n)

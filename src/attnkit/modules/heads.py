@@ -226,6 +226,7 @@ class AttentionHeads(nn.Module):
         kernel without modifiers keeps working for layers without them.
         """
         extra = {} if modifiers is None or modifiers.empty else modifiers.as_kwargs()
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a kernel component takes one dtype (a cache may store fewer bytes)
         out = kernel.attention(q, k, v, causal=self.causal, key_mask=key_mask, scale=self.scale, **extra)
         return self.merge(out)  # (B, H, T, D) -> (B, T, d_out)
 

@@ -90,6 +90,17 @@ def transaction(caches: Sequence[Cache], owners: Sequence[object]) -> Iterator[N
 _last_checked: list[weakref.ref[Tensor]] = []  # the positions tensor checked last (every layer gets the same)
 
 
+STORAGE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_storage_dtype(dtype: object) -> torch.dtype | None:
+    """A cache's storage dtype: None (the layer's own) or one of :data:`STORAGE_DTYPES`; else raise."""
+    if dtype is None or dtype in STORAGE_DTYPES:
+        return dtype
+    known = ", ".join(str(d) for d in STORAGE_DTYPES)
+    raise ValueError(f"a cache stores keys and values in None (the layer's dtype) or {known}, got dtype={dtype!r}")
+
+
 def check_positions(positions: object, batch: int, length: int) -> Tensor:
     """Positions must be (B, T) long, >= 0 (or -1: padding) and increasing along a row (padding aside).
 
@@ -148,6 +159,10 @@ class KVCache(_Ownership):
     Args:
         capacity: the most positions it may hold; appending past it raises.
             None (default) grows as needed.
+        dtype: the dtype keys and values are stored in: None (default) keeps
+            the layer's; ``torch.bfloat16`` or ``torch.float16`` under float32
+            layers halves the cache's memory, so twice the context (or batch)
+            fits (attention reads the rounded keys and values, in float32).
 
     ``len(cache)`` is the number of slots held (the same for every row);
     ``cache.keys`` and ``cache.values`` are views of them. While every call
@@ -162,10 +177,11 @@ class KVCache(_Ownership):
 
     _kind = "KVCache"
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None, *, dtype: torch.dtype | None = None) -> None:
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise ValueError(f"capacity must be a positive int or None, got capacity={capacity!r}")
         self.capacity = capacity
+        self.dtype = check_storage_dtype(dtype)
         self._k: Tensor | None = None
         self._v: Tensor | None = None
         self._pos: Tensor | None = None  # (B, allocated) positions once a call gave explicit ones
@@ -178,7 +194,8 @@ class KVCache(_Ownership):
 
     def __repr__(self) -> str:
         shape = None if self._k is None else (self._k.shape[0], self._k.shape[1], self._length, self._k.shape[3])
-        return f"KVCache(len={self._length}, capacity={self.capacity}, shape={shape})"
+        stored = "" if self.dtype is None else f", dtype={self.dtype}"
+        return f"KVCache(len={self._length}, capacity={self.capacity}, shape={shape}{stored})"
 
     @property
     def keys(self) -> Tensor | None:
@@ -201,7 +218,7 @@ class KVCache(_Ownership):
 
     def __copy__(self) -> KVCache:
         """An independent cache holding the same positions (storage is copied, never shared)."""
-        twin = KVCache(self.capacity)
+        twin = KVCache(self.capacity, dtype=self.dtype)
         twin._k, twin._v, twin._pos, twin._top = (None if t is None else t.clone()
                                                   for t in (self._k, self._v, self._pos, self._top))
         twin._length = self._length
@@ -252,7 +269,7 @@ class KVCache(_Ownership):
         if held != new:
             raise ValueError(f"this cache holds (B, G, D, Dv)={held} but got {new}; "
                              "call cache.reset() before a new sequence")
-        if (k.dtype, k.device) != (self._k.dtype, self._k.device):
+        if (self.dtype or k.dtype, k.device) != (self._k.dtype, self._k.device):
             raise ValueError(f"this cache holds {self._k.dtype} on {self._k.device}, got {k.dtype} on {k.device}")
 
     def _reserve(self, needed: int, k: Tensor, v: Tensor, explicit: bool) -> None:
@@ -261,7 +278,8 @@ class KVCache(_Ownership):
         if needed > allocated:
             size = self.capacity if self.capacity is not None else max(_MIN_ALLOC, needed, 2 * allocated)
             b, g, _, d = k.shape
-            new_k, new_v = k.new_empty(b, g, size, d), v.new_empty(b, g, size, v.shape[3])
+            stored = self.dtype or k.dtype
+            new_k, new_v = k.new_empty(b, g, size, d, dtype=stored), v.new_empty(b, g, size, v.shape[3], dtype=stored)
             new_pos = None if self._pos is None else self._pos.new_empty(b, size)
             if self._k is not None and self._v is not None:
                 new_k[:, :, : self._length] = self._k[:, :, : self._length]
@@ -307,6 +325,7 @@ class KVCache(_Ownership):
         held = None if self._pos is None else self._pos[:, :needed]  # (B, S)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             # keep autograd's path to this call's keys and values (earlier ones are constants)
+            k, v = k.to(self._k.dtype), v.to(self._v.dtype)  # rounded as stored (differentiable)
             return CachedKeys(torch.cat([self._k[:, :, :start], k], dim=2),  # (B, G, S - T, D) + (B, G, T, D)
                               torch.cat([self._v[:, :, :start], v], dim=2), held)
         return CachedKeys(self._k[:, :, :needed], self._v[:, :, :needed], held)
@@ -323,6 +342,7 @@ class StaticKVCache(_Ownership):
     Args:
         capacity: positions 0 .. capacity - 1 fit; storage (B, G, capacity, D)
             is allocated at the first call.
+        dtype: the storage dtype, as for :class:`KVCache`.
 
     Every call attends over all ``capacity`` slots (and one more, where
     padding, position -1, is written and never seen) with a mask from each
@@ -333,10 +353,11 @@ class StaticKVCache(_Ownership):
 
     _kind = "StaticKVCache"
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, dtype: torch.dtype | None = None) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got capacity={capacity!r}")
         self.capacity = capacity
+        self.dtype = check_storage_dtype(dtype)
         self.k: Tensor | None = None  # (B, G, capacity, D)
         self.v: Tensor | None = None
         self.positions: Tensor | None = None  # (B, capacity + 1) long, -1 = empty; the last slot takes padding
@@ -344,7 +365,8 @@ class StaticKVCache(_Ownership):
 
     def __repr__(self) -> str:
         shape = None if self.k is None else tuple(self.k.shape)
-        return f"StaticKVCache(capacity={self.capacity}, shape={shape})"
+        stored = "" if self.dtype is None else f", dtype={self.dtype}"
+        return f"StaticKVCache(capacity={self.capacity}, shape={shape}{stored})"
 
     def reset(self) -> None:
         """Forget every position (keeps the storage) and the layer it belonged to."""
@@ -372,8 +394,9 @@ class StaticKVCache(_Ownership):
     def _allocate(self, k: Tensor, v: Tensor) -> None:
         b, g, _, d = k.shape
         with torch.inference_mode(False):
-            self.k = k.new_zeros(b, g, self.capacity + 1, d)
-            self.v = v.new_zeros(b, g, self.capacity + 1, v.shape[3])
+            stored = self.dtype or k.dtype
+            self.k = k.new_zeros(b, g, self.capacity + 1, d, dtype=stored)
+            self.v = v.new_zeros(b, g, self.capacity + 1, v.shape[3], dtype=stored)
             self.positions = torch.full((b, self.capacity + 1), -1, dtype=torch.long, device=k.device)
 
     def _check(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
@@ -381,7 +404,7 @@ class StaticKVCache(_Ownership):
             raise ValueError("StaticKVCache is for inference: call under torch.no_grad() or "
                              "torch.inference_mode(), or use KVCache, which keeps gradients")
         assert self.k is not None and self.v is not None and self.positions is not None
-        if (k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device) != (
+        if (k.shape[0], k.shape[1], k.shape[3], self.dtype or k.dtype, k.device) != (
                 self.k.shape[0], self.k.shape[1], self.k.shape[3], self.k.dtype, self.k.device):
             held = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
             raise ValueError(f"this cache holds (B, G, D)={held} "
@@ -406,7 +429,7 @@ class StaticKVCache(_Ownership):
         self._check(k, v, positions)
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
         slots = positions.masked_fill(positions < 0, self.capacity)  # (B, T): padding goes to the spare slot
-        self.k[rows, :, slots] = k.transpose(1, 2)  # (B, G, T, D) -> (B, T, G, D) into slots (B, T)
-        self.v[rows, :, slots] = v.transpose(1, 2)
+        self.k[rows, :, slots] = k.transpose(1, 2).to(self.k.dtype)  # (B, G, T, D) -> (B, T, G, D) into slots (B, T)
+        self.v[rows, :, slots] = v.transpose(1, 2).to(self.v.dtype)
         self.positions[rows, slots] = positions  # the spare slot stays -1
         return CachedKeys(self.k, self.v, self.positions)
