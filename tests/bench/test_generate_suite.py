@@ -147,6 +147,27 @@ def test_options_choose_cases_and_contenders():
     suite = GenerateSuite.from_options(Options(suite="generate", seq_lens=[16], batch=[1], no_llamacpp=True))
     assert suite.lengths == (16,) and suite.batch == 0 and suite.llamacpp == ()
     assert GenerateSuite.from_options(Options(suite="generate")).lengths == (16, 4000, 7900)
+    suite = GenerateSuite.from_options(Options(suite="generate", forms=["int4"], compiled=["int4"],
+                                               no_transformers=True, no_llamacpp=True))
+    assert suite.names(llamacpp_installed=True) == ["attnkit-int4", "attnkit-int4-compiled"]
+
+
+def test_a_compiled_contender_runs_the_compiled_step_and_warms_up_on_the_case_itself(
+        monkeypatch: pytest.MonkeyPatch):
+    """Its graph is made for the case's cache size: a short warm-up would leave the compilation in the timing."""
+    import attnkit.models.generation as generation
+    from attnkit.bench import generate
+
+    calls = []
+
+    monkeypatch.setattr(generation, "generate_steps", lambda model, ids, **kw: calls.append((ids.shape, kw)) or
+                        iter([0, 1, 2]))
+    suite = GenerateSuite(forms=(), compiled=("int4",), lengths=(16,), batch=0, new_tokens=3, repeats=1,
+                          transformers=False, llamacpp=(), memory=False)
+    contender = generate.Attnkit(model=None, compile=True)
+    generate._single_rows({"attnkit-int4-compiled": contender}, list(range(16)), suite, lambda _: None)
+    assert [shape for shape, _ in calls] == [(1, 16), (1, 16)]  # the warm-up is the case itself
+    assert all(kw["compile"] is True for _, kw in calls)
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -155,6 +176,7 @@ def test_options_choose_cases_and_contenders():
     (Options(suite="generate", forms=["int3"]), "unknown weight form 'int3'; known: float32, float16, int8, int4"),
     (Options(suite="generate", new_tokens=1), "new_tokens must be an int >= 2, got new_tokens=1"),
     (Options(suite="generate", threads=0), "threads must be an int >= 1"),
+    (Options(suite="generate", compiled=["int5"]), "unknown weight form 'int5'"),
 ])
 def test_bad_options_are_refused_by_name(options: Options, message: str):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -53,6 +53,11 @@ def test_generate_with_a_bfloat16_cache_says_so_and_decodes_over_it(tiny: str,
     assert out == model.decode(new) + "\n"
 
 
+def test_generate_compiled_gives_the_eager_text(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--gguf", tiny, "--max-new-tokens", "5", "--compile", "the", "sin"]) == 0
+    assert capsys.readouterr().out == _expected(tiny, "the sin", 5) + "\n"
+
+
 def test_generate_chat_wraps_the_prompt_in_the_template(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--gguf", tiny, "--chat", "--max-new-tokens", "5", "hi"]) == 0
     out, _ = capsys.readouterr()
@@ -76,6 +81,7 @@ def test_generate_sampling_with_a_seed_repeats(tiny: str, capsys: pytest.Capture
     ([" "], "the prompt is empty"),
     (["--kv-dtype", "bfloat16", "--dtype", "bfloat16"], "--dtype bfloat16 computes in the model's dtype"),
     (["--kv-dtype", "float16", "--cache", "sink:4,20"], "--cache sink:4,20 keeps its window"),
+    (["--compile", "--cache", "sink:4,20"], "--compile runs over static caches and --cache sink:4,20 evicts"),
 ])
 def test_generate_bad_options_exit_2_with_one_line(tiny: str, capsys: pytest.CaptureFixture[str],
                                                    args: list[str], message: str) -> None:

@@ -57,6 +57,7 @@ class Options:
     dtype: str = "float32"
     out: str = "bench-out"
     forms: list[str] | None = None
+    compiled: list[str] | None = None
     new_tokens: int = 128
     threads: int = 2
     no_transformers: bool = False
@@ -180,6 +181,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "attnkit float32 and its fastest accurate form, transformers, llama.cpp)")
     generate.add_argument("--forms", type=_csv(str), help="attnkit weight forms, e.g. float32,int4 "
                           "(default: every form this CPU runs)")
+    generate.add_argument("--compiled", type=_csv(str), help="weight forms to run also with the compiled "
+                          "decoding step (generate(compile=True)), e.g. int4; compiled in the warm-up rounds")
     generate.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     generate.add_argument("--threads", type=int, default=2, help="threads of every contender (default 2)")
     generate.add_argument("--no-transformers", action="store_true", help="leave transformers out")

@@ -172,6 +172,9 @@ MODELS: dict[str, BenchModel] = {
 }
 
 
+COMPILED = "-compiled"  # the suffix of a contender running the compiled decoding step
+
+
 @dataclass(frozen=True)
 class GenerateSuite:
     """What one run of the suite measures; checked at construction.
@@ -189,6 +192,8 @@ class GenerateSuite:
         transformers: include transformers in float32.
         llamacpp: llama.cpp's flash-attention settings to run, each a contender: "off", "on".
         memory: measure load time and memory, in a fresh process per contender.
+        compiled: weight forms also run with the compiled decoding step (``generate(compile=True)``), each a
+            contender ``attnkit-<form>-compiled`` (its compilation falls in the warm-up rounds).
     """
 
     model: str = "smollm2"
@@ -201,6 +206,7 @@ class GenerateSuite:
     transformers: bool = True
     llamacpp: tuple[str, ...] = ("off", "on")
     memory: bool = True
+    compiled: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -208,7 +214,7 @@ class GenerateSuite:
         if not MODELS[self.model].batch and (self.batch or self.memory):
             raise ValueError(f"the {self.model} suite runs batch 1 only: batch must be 0 and memory False, got "
                              f"batch={self.batch}, memory={self.memory}")
-        unknown = [f for f in self.forms if f not in WEIGHT_FORMS]
+        unknown = [f for f in (*self.forms, *self.compiled) if f not in WEIGHT_FORMS]
         if unknown:
             raise ValueError(f"unknown weight form {unknown[0]!r}; known: {', '.join(WEIGHT_FORMS)}")
         missing = [f for f in self.forms if f not in available_forms()]
@@ -266,11 +272,13 @@ class GenerateSuite:
                              batch=max([b for b in batch if b != 1], default=0), new_tokens=options.new_tokens,
                              repeats=options.repeats, threads=options.threads,
                              transformers=not options.no_transformers, llamacpp=() if options.no_llamacpp else fa,
-                             memory=not options.no_memory and bool(spec.batch))
+                             memory=not options.no_memory and bool(spec.batch),
+                             compiled=tuple(options.compiled or ()))
 
     def names(self, llamacpp_installed: bool) -> list[str]:
         """The contenders of this run, in order."""
-        names = [f"attnkit-{form}" for form in self.forms] + (["transformers-float32"] if self.transformers else [])
+        names = [f"attnkit-{form}" for form in self.forms] + [f"attnkit-{form}{COMPILED}" for form in self.compiled]
+        names += ["transformers-float32"] if self.transformers else []
         return names + ([FLASH_ATTN[fa] for fa in self.llamacpp] if llamacpp_installed else [])
 
 
@@ -302,12 +310,14 @@ class Attnkit:
     """attnkit's generation loop (:mod:`attnkit.models.generation`) on a loaded model."""
 
     model: Any
+    compile: bool = False  # the compiled decoding step
 
     def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
         from attnkit.models.generation import generate_steps
 
         start = time.perf_counter()
-        steps = generate_steps(self.model, torch.tensor([list(ids)]), max_new_tokens=new_tokens, stop_ids=[])  # (1, T)
+        steps = generate_steps(self.model, torch.tensor([list(ids)]), max_new_tokens=new_tokens, stop_ids=[],
+                               compile=self.compile)  # (1, T)
         next(steps)
         first = time.perf_counter()
         for _ in steps:
@@ -317,7 +327,7 @@ class Attnkit:
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
         ids = torch.tensor([list(p) for p in prompts])  # (B, T)
         start = time.perf_counter()
-        self.model.generate(ids, torch.ones_like(ids), max_new_tokens=new_tokens, stop_ids=[])
+        self.model.generate(ids, torch.ones_like(ids), max_new_tokens=new_tokens, stop_ids=[], compile=self.compile)
         return time.perf_counter() - start
 
 
@@ -372,7 +382,8 @@ def _load(model: str, name: str, context: int, threads: int) -> Contender:
     """A contender by name, on ``model``; llama.cpp with ``context`` positions."""
     spec = MODELS[model]
     if name.startswith("attnkit-"):
-        return Attnkit(spec.load(name.removeprefix("attnkit-")))
+        form = name.removeprefix("attnkit-").removesuffix(COMPILED)
+        return Attnkit(spec.load(form), compile=name.endswith(COMPILED))
     if name == "transformers-float32":
         return Transformers(load_transformers(model), pad_id=spec.pad_id)
     return llamacpp.LlamaCpp(spec.path(), threads=threads, context=context, flash_attn=name == FLASH_ATTN["on"])
@@ -406,12 +417,17 @@ def _rounds(contenders: dict[str, C], run: Callable[[C], R], repeats: int, say: 
     return out
 
 
+def _compiled(contender: Contender) -> bool:
+    """Whether ``contender`` runs the compiled decoding step (one graph per cache size: warmed up on the case)."""
+    return isinstance(contender, Attnkit) and contender.compile
+
+
 def _single_rows(contenders: dict[str, Contender], ids: list[int], suite: GenerateSuite,
                  say: Callable[[str], None]) -> list[Row]:
     """Batch 1 at one context length: median time to first token, prefill and decode tokens/s."""
     n, t = suite.new_tokens, len(ids)
-    for contender in contenders.values():  # warm-up: one short run each
-        contender.single(ids[:8], 2)
+    for contender in contenders.values():  # warm-up: one short run each (compiled: the case, compiling its graph)
+        contender.single(*((ids, n) if _compiled(contender) else (ids[:8], 2)))
     runs = _rounds(contenders, lambda c: c.single(ids, n), suite.repeats, say, f"batch 1, T={t}")
     return [{"kind": "batch 1", "contender": name, "context": t, "new_tokens": n,
              "ttft_s": round(statistics.median(first for first, _ in results), 4),
@@ -425,7 +441,7 @@ def _batch_rows(contenders: dict[str, Contender], prompts: list[list[int]], suit
     """The batched case: median aggregate new tokens/s (llama.cpp serving the prompts one after another)."""
     b, n = len(prompts), suite.new_tokens
     for contender in contenders.values():
-        contender.batch([p[:8] for p in prompts], 2)
+        contender.batch(*((prompts, n) if _compiled(contender) else ([p[:8] for p in prompts], 2)))
     runs = _rounds(contenders, lambda c: c.batch(prompts, n), suite.repeats, say, f"batch {b}")
     return [{"kind": "batched", "contender": name, "batch": b, "prompt_len": len(prompts[0]), "new_tokens": n,
              "how": "one after another" if name.startswith("llama.cpp") else "batched",
@@ -562,8 +578,8 @@ def _run(suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
     context = _context_for(suite, context_length)
     if suite.lengths or suite.batch:
         rows += _timed_rows(names, tokenizer, context, suite, say)
-    if suite.memory:
-        rows += _process_rows(names, tokenizer, suite, say)
+    if suite.memory:  # a compiled contender loads as its form does
+        rows += _process_rows([n for n in names if not n.endswith(COMPILED)], tokenizer, suite, say)
     rows[0]["load_average_end"] = _load_average()
     return rows + suite.spec.targets(rows)
 

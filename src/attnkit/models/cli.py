@@ -80,6 +80,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "gemma3: Gemma 3 270M), running on attnkit's attention with a KV cache. Speed is reported "
                        "on stderr; Ctrl-C stops (exit 130).")
     p.add_argument("prompt", nargs="+", help="the text to continue")
+    p.add_argument("--compile", action="store_true", help="run each decoding step as one compiled graph "
+                   "(torch.compile over static caches): faster decoding, after compiling for tens of seconds "
+                   "(counted in the reported speed; BENCHMARKS.md)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template "
                    "(a user turn) and answer it (not with --model gemma3: a base model has no chat template)")
     _options(p, max_new_tokens=128)
@@ -113,6 +116,9 @@ def _check(args: argparse.Namespace, *, chat: bool) -> None:
         raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
     Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value
     sink = SinkSpec.parse(args.cache)
+    if getattr(args, "compile", False) and sink is not None:
+        raise ValueError(f"--compile runs over static caches and --cache {args.cache} evicts (its shapes change): "
+                         "use one or the other")
     if args.kv_dtype != "float32" and (sink is not None or args.dtype != "float32"):
         why = f"--cache {args.cache} keeps its window" if sink is not None else f"--dtype {args.dtype} computes"
         raise ValueError(f"--kv-dtype {args.kv_dtype} stores a float32 model's cache in fewer bytes; {why} in the "
@@ -224,7 +230,8 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
     try:
         steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache,
-                               kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype, stats=stats)
+                               kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype,
+                               compile=getattr(args, "compile", False), stats=stats)
         for token in steps:  # (1,)
             last = int(token[0])
             pieces.append(_write(text.add(last)))
