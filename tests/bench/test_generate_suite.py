@@ -177,6 +177,7 @@ def test_a_compiled_contender_runs_the_compiled_step_and_warms_up_on_the_case_it
     (Options(suite="generate", new_tokens=1), "new_tokens must be an int >= 2, got new_tokens=1"),
     (Options(suite="generate", threads=0), "threads must be an int >= 1"),
     (Options(suite="generate", compiled=["int5"]), "unknown weight form 'int5'"),
+    (Options(suite="generate", forms=["int4"], compiled=["int4", "int4"]), "weight form 'int4' is named twice"),
 ])
 def test_bad_options_are_refused_by_name(options: Options, message: str):
     with pytest.raises(ValueError, match=re.escape(message)):

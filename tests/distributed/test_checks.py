@@ -25,6 +25,12 @@ def test_a_ranks_problem_is_the_message_attention_itself_would_raise():
     assert problem == "scale must be a positive finite number or None, got scale=0.0"
 
 
+def test_a_ring_takes_one_dtype_though_attention_reads_half_precision_keys():
+    q, kv = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    problem, _ = _describe(q, kv.bfloat16(), kv.bfloat16())
+    assert problem == "ring attention takes q, k, v in one dtype, got q torch.float32 and k, v torch.bfloat16"
+
+
 def test_a_ring_needs_as_many_keys_as_queries_on_each_rank():
     q, kv = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)
     problem, meta = _describe(q, kv, kv)

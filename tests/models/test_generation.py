@@ -8,6 +8,7 @@ and bad inputs that slip through.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -354,10 +355,12 @@ def test_a_tiny_temperature_samples_the_greedy_token_and_infinity_is_refused(tin
 def test_the_compiled_decode_step_equals_the_eager_one(tiny64: Any) -> None:
     """generate(compile=True): one fullgraph graph per step over static caches, the same tokens as eager."""
     batch = tiny64.tokenize(["the sin", "a", "the the a sin in"])
-    for options in (dict(), dict(temperature=2.0, top_k=20, seed=[4, 5, 6])):
-        eager = tiny64.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, stop_ids=[], **options)
-        compiled = tiny64.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, stop_ids=[],
-                                   compile=True, **options)
+    float32 = copy.deepcopy(tiny64).float()  # a bfloat16 cache stores a float32 model's keys
+    for model, options in ((tiny64, dict()), (tiny64, dict(temperature=2.0, top_k=20, seed=[4, 5, 6])),
+                           (float32, dict(kv_dtype="bfloat16"))):
+        eager = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, stop_ids=[], **options)
+        compiled = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, stop_ids=[],
+                                  compile=True, **options)
         assert torch.equal(compiled, eager), options
 
 
@@ -377,3 +380,34 @@ def test_the_decode_step_compiles_without_graph_breaks(tiny64: Any) -> None:
                                                         torch.tensor([0]))
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+def test_a_model_whose_new_caches_predates_the_dtype_keyword_still_generates(tiny64: Any) -> None:
+    """new_caches(capacity, static=...) without dtype: generate passes dtype only when kv_dtype is asked for."""
+
+    class Older:
+        def __init__(self, model: Any) -> None:
+            self.model = model
+            self.vocab_size, self.context_length = model.vocab_size, model.context_length
+            self.pad_token_id, self.stop_token_ids = model.pad_token_id, model.stop_token_ids
+
+        def new_caches(self, capacity: int | None = None, *, static: bool = False) -> list[Any]:
+            return self.model.new_caches(capacity, static=static)
+
+        def step(self, input_ids: torch.Tensor, positions: Any, kv_caches: Any) -> torch.Tensor:
+            return self.model.step(input_ids, positions, kv_caches)
+
+    from attnkit.models.generation import generate
+
+    ids = tiny64.tokenize("the sin")["input_ids"]
+    for compiled in (False, True):
+        out = generate(Older(tiny64), ids, max_new_tokens=4, stop_ids=[], compile=compiled)
+        assert torch.equal(out, tiny64.generate(ids, max_new_tokens=4, stop_ids=[])), compiled
+
+
+def test_a_narrower_cache_under_a_model_that_is_not_float32_is_refused_naming_dtype(tiny64: Any) -> None:
+    ids = tiny64.tokenize("the sin")["input_ids"]
+    model = copy.deepcopy(tiny64).double()
+    with pytest.raises(ValueError, match=r"dtype=torch\.bfloat16 stores a float32 layer's keys in fewer bytes, got "
+                                         r"torch\.float64 keys"):
+        model.generate(ids, max_new_tokens=2, kv_dtype="bfloat16")

@@ -154,3 +154,32 @@ def test_generation_options_name_what_they_take():
         GenerationOptions(kv_dtype="int8")
     with pytest.raises(ValueError, match=r"kv_dtype=torch\.bfloat16 is for the full caches; cache='sink:4,60'"):
         GenerationOptions(kv_dtype="bfloat16", cache="sink:4,60")
+
+
+@pytest.mark.parametrize("make_cache", [lambda: KVCache(dtype=torch.bfloat16),
+                                        lambda: StaticKVCache(4, dtype=torch.bfloat16), KVCache],
+                         ids=["growing", "static", "plain"])
+def test_keys_and_values_of_two_dtypes_are_refused(make_cache):
+    k = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"keys and values must share a dtype, got torch\.float32 and torch\.float64"):
+        make_cache().update(k, k.double(), None)
+
+
+def test_a_kernel_component_gets_keys_in_the_queries_dtype():
+    """A kernel's attention(q, k, v) takes one dtype: the layer widens a narrower cache's keys for it."""
+    seen = []
+
+    class Recording:
+        def prepare(self, request):
+            return None
+
+        def attention(self, q, k, v, *, causal, key_mask, scale):
+            seen.append((q.dtype, k.dtype, v.dtype))
+            return attention(q, k, v, causal=causal, key_mask=key_mask, scale=scale)
+
+    layer = _layer()
+    layer.backend = Recording()
+    cache = KVCache(dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer(torch.randn(1, 3, 32), kv_cache=cache)
+    assert seen == [(torch.float32,) * 3] and cache.keys is not None and cache.keys.dtype == torch.bfloat16

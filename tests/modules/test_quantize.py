@@ -189,6 +189,30 @@ def test_int4_keeps_a_tied_head_in_float16_and_odd_widths_in_int8() -> None:
     assert float((packed - reference).norm() / reference.norm()) < 0.1  # random weights on a 4-bit grid: close
 
 
+def test_packed_forms_keep_plain_embedding_tables_in_float16_and_leave_others_alone() -> None:
+    """A plain table's rows come back exactly as float16 rounds them; a subclass (its forward may scale), a
+    max_norm table (renormalised on lookup) and a table float16 cannot hold stay as they were."""
+    from attnkit.modules.quantize import Float16Embedding, quantize
+
+    class Scaled(nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * 8
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"plain": nn.Embedding(10, 16), "scaled": Scaled(10, 16),
+                           "normed": nn.Embedding(10, 16, max_norm=1.0), "huge": nn.Embedding(10, 16),
+                           "proj": nn.Linear(16, 16)})
+    with torch.no_grad():
+        model["huge"].weight[0, 0] = 1e6
+    table = model["plain"].weight.detach().clone()
+    quantize(model, "float16")
+    assert isinstance(model["plain"], Float16Embedding)
+    assert [type(model[n]) for n in ("scaled", "normed", "huge")] == [Scaled, nn.Embedding, nn.Embedding]
+    ids = torch.tensor([[3, 1, 4]])
+    torch.testing.assert_close(model["plain"](ids), table.half().float()[ids], rtol=0, atol=0)
+    assert model["plain"](ids).dtype == torch.float32
+
+
 @pytest.mark.parametrize("form", ["float16", "int8", "int4"])
 def test_minilm_runs_with_each_weight_form(form: str) -> None:
     from tests._util import need

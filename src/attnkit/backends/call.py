@@ -193,7 +193,7 @@ def stored_narrower(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def widened(call: AttentionCall) -> AttentionCall:
-    """``call`` with k and v in q's dtype (kernels other than SDPA's decoding path compute in one dtype)."""
+    """``call`` with k and v in q's dtype (every backend computes in one dtype)."""
     if call.k.dtype == call.q.dtype:
         return call
     return replace(call, k=call.k.to(call.q.dtype), v=call.v.to(call.q.dtype))

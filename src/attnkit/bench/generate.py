@@ -217,10 +217,14 @@ class GenerateSuite:
         unknown = [f for f in (*self.forms, *self.compiled) if f not in WEIGHT_FORMS]
         if unknown:
             raise ValueError(f"unknown weight form {unknown[0]!r}; known: {', '.join(WEIGHT_FORMS)}")
-        missing = [f for f in self.forms if f not in available_forms()]
+        missing = [f for f in (*self.forms, *self.compiled) if f not in available_forms()]
         if missing:
             raise ValueError(f"weight form {missing[0]!r} does not run on this CPU's PyTorch (it needs the fbgemm "
                              f"engine); available here: {', '.join(available_forms())}")
+        twice = sorted({f for f in self.compiled if self.compiled.count(f) > 1} | {
+            f for f in self.forms if self.forms.count(f) > 1})
+        if twice:
+            raise ValueError(f"weight form {twice[0]!r} is named twice (--forms, --compiled): once each")
         bad = [fa for fa in self.llamacpp if fa not in FLASH_ATTN]
         if bad:
             raise ValueError(f"llama.cpp flash attention must be 'off' or 'on', got {bad[0]!r}")

@@ -115,8 +115,8 @@ class DecoderModel(GenerationMixin, nn.Module):
 
     def tie_weights(self) -> None:
         """With tied embeddings, the head is the embedding matrix (one Parameter, as after loading)."""
-        if self.config.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        if self.config.tie_embeddings and isinstance(self.lm_head, nn.Linear) and isinstance(self.embed, nn.Embedding):
+            self.lm_head.weight = self.embed.weight  # (a quantized model's packed head and table stay as they are)
 
     def new_caches(self, capacity: int | None = None, *, static: bool = False,
                    dtype: torch.dtype | None = None) -> list[Cache]:

@@ -101,6 +101,15 @@ def check_storage_dtype(dtype: object) -> torch.dtype | None:
     raise ValueError(f"a cache stores keys and values in None (the layer's dtype) or {known}, got dtype={dtype!r}")
 
 
+def check_narrowing(stored: torch.dtype | None, k: Tensor, v: Tensor) -> None:
+    """Keys and values of one dtype; a cache storing fewer bytes (``stored``) takes float32 ones (or its own)."""
+    if k.dtype != v.dtype:
+        raise ValueError(f"keys and values must share a dtype, got {k.dtype} and {v.dtype}")
+    if stored is not None and k.dtype not in (torch.float32, stored):
+        raise ValueError(f"a cache with dtype={stored} stores a float32 layer's keys in fewer bytes, got "
+                         f"{k.dtype} keys: use dtype=None (the layer's dtype) with a {k.dtype} model")
+
+
 def check_positions(positions: object, batch: int, length: int) -> Tensor:
     """Positions must be (B, T) long, >= 0 (or -1: padding) and increasing along a row (padding aside).
 
@@ -163,6 +172,8 @@ class KVCache(_Ownership):
             the layer's; ``torch.bfloat16`` or ``torch.float16`` under float32
             layers halves the cache's memory, so twice the context (or batch)
             fits (attention reads the rounded keys and values, in float32).
+            float16 holds magnitudes up to 65,504 (larger ones become inf,
+            unchecked); bfloat16 keeps float32's range with fewer digits.
 
     ``len(cache)`` is the number of slots held (the same for every row);
     ``cache.keys`` and ``cache.values`` are views of them. While every call
@@ -262,6 +273,7 @@ class KVCache(_Ownership):
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
             raise ValueError(f"keys and values must be (B, G, T, D) and agree on B, G, T; "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        check_narrowing(self.dtype, k, v)
         if self._k is None or self._v is None:
             return
         held, new = (self._k.shape[0], self._k.shape[1], self._k.shape[3], self._v.shape[3]), (
@@ -420,6 +432,7 @@ class StaticKVCache(_Ownership):
 
         A -1 position (padding) is written to a spare slot that no query sees.
         """
+        check_narrowing(self.dtype, k, v)
         if self.k is None:
             self._allocate(k, v)
         if positions is None:

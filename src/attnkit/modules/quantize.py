@@ -219,12 +219,22 @@ class Float16Embedding(nn.Module):
 
 
 def _swap_embeddings(module: nn.Module) -> None:
-    """Replace every float32 ``nn.Embedding`` below ``module`` by a :class:`Float16Embedding`, in place."""
+    """Replace every plain float32 ``nn.Embedding`` below ``module`` by a :class:`Float16Embedding`, in place.
+
+    Left as they are: subclasses (their forward may do more, e.g. scale), tables
+    with ``max_norm`` (renormalised on lookup), and tables float16 cannot hold.
+    """
     for name, child in module.named_children():
-        if isinstance(child, nn.Embedding) and child.weight.dtype == torch.float32:
+        if isinstance(child, nn.Embedding) and _plain_table(child):
             setattr(module, name, Float16Embedding(child.weight))
         else:
             _swap_embeddings(child)
+
+
+def _plain_table(module: nn.Embedding) -> bool:
+    if type(module) is not nn.Embedding or module.max_norm is not None or module.weight.dtype != torch.float32:
+        return False
+    return bool(module.weight.detach().abs().max() <= torch.finfo(torch.float16).max)
 
 
 def int4_grid(weight: Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor, Tensor]:
