@@ -7,7 +7,8 @@ thread count (default 2) for every contender:
 
 - ``attnkit-<form>``: attnkit's ``generate`` with its linear layers in each
   weight form this CPU runs (:mod:`attnkit.modules.quantize`; activations
-  float32);
+  float32), and ``attnkit-<form>-compiled`` for the forms given to
+  ``--compiled`` (the compiled decoding step; warmed up on each case itself);
 - ``transformers-float32``: transformers' ``generate``, loaded from the same file;
 - ``llama.cpp`` and ``llama.cpp-fa``: llama.cpp through llama-cpp-python
   (:mod:`.llamacpp`), its flash-attention path off (llama-cpp-python's
