@@ -90,9 +90,8 @@ class GenerationOptions:
         kv_dtype: the dtype the full caches store keys and values in: None
             (default: the model's), or ``torch.bfloat16`` / ``torch.float16``
             (or their names) under a float32 model: half the bytes per cached
-            position, and a faster decoding step over a long context where
-            the CPU has bfloat16 arithmetic (BENCHMARKS.md); attention then
-            reads rounded keys and values.
+            position, so twice the context fits; attention reads float32
+            copies of the rounded keys and values (not faster: BENCHMARKS.md).
     """
 
     max_new_tokens: int = 128
@@ -359,8 +358,10 @@ def _prefill(model: CausalLM, ids: Tensor, positions: Tensor | None, caches: Seq
     logits = model.step(ids, positions, grown)
     at = positions if positions is not None else torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     for static, held in zip(caches, grown, strict=True):
-        assert isinstance(held, KVCache)
-        static.update(held.keys, held.values, at)  # type: ignore[arg-type]  # (B, G, T, D) into slots at (B, T)
+        if not isinstance(held, KVCache) or held.keys is None or held.values is None:
+            raise TypeError(f"compile=True copies the prompt from the model's growing caches into its static ones: "
+                            f"new_caches() must give KVCache, got {type(held).__name__}")
+        static.update(held.keys, held.values, at)  # (B, G, T, D) into slots at (B, T)
     return logits
 
 
