@@ -85,6 +85,22 @@ def test_concurrent_greedy_and_seeded_answers_equal_generate_alone() -> None:
     assert engine.blocks.free_blocks == engine.blocks.num_blocks  # every block back in the pool
 
 
+def test_a_bfloat16_pool_holds_twice_the_blocks_and_answers_as_generate_over_a_bfloat16_cache() -> None:
+    model = _model().float()
+    engine = _engine(model, kv_dtype="bfloat16")
+    assert engine.blocks.num_blocks == 2 * _engine(model).blocks.num_blocks
+    assert engine.pool.k[0].dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (3, 9, 17)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0)] * 3
+    for prompt, (tokens, _) in zip(prompts, _run(engine, prompts, params), strict=True):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=8, stop_ids=[], kv_dtype="bfloat16")
+        assert tokens == alone[0, len(prompt):].tolist()
+    with pytest.raises(ValueError, match=r"kv_dtype=torch\.bfloat16 stores a float32 model's keys in fewer bytes; "
+                                         r"this model computes in torch\.float64"):
+        _engine(_model(), kv_dtype="bfloat16")
+
+
 def test_a_shared_prefix_is_reused_and_answers_do_not_change() -> None:
     model = _model()
     engine = _engine(model)

@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default 16)")
     p.add_argument("--kv-memory", type=float, default=512, metavar="MiB",
                    help="memory for the KV cache of every layer, in MiB (default 512)")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the dtype KV blocks store keys and values in (default float32): bfloat16 or float16 fit "
+                   "twice the positions in --kv-memory")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block (default 16)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="most requests waiting; more get HTTP 429 (default 256)")
@@ -80,13 +83,15 @@ def _serve(args: argparse.Namespace) -> int:
     weights = weight_form(model)
     name = (args.model or "smollm2") if args.gguf is None else str(path).rsplit("/", 1)[-1].removesuffix(".gguf")
     engine = Engine(model, model.decode, kv_memory_mib=args.kv_memory, block_size=args.block_size,
-                    max_batch=args.max_batch, max_waiting=args.max_waiting)
+                    max_batch=args.max_batch, max_waiting=args.max_waiting,
+                    kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype)
     engine.start()
     server = Server(engine, model.tokenizer, model_name=name, api_key=args.api_key,
                     context_length=model.context_length)
     print(f"attnkit serve: {name} ({weights} weights, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}) on http://{args.host}:{args.port} "
-          f"({engine.blocks.num_blocks} KV blocks of {args.block_size} positions)", file=sys.stderr, flush=True)
+          f"({engine.blocks.num_blocks} {args.kv_dtype} KV blocks of {args.block_size} positions)", file=sys.stderr,
+          flush=True)
     try:
         uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
     finally:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.models.generation import IncrementalDecoder
+from attnkit.models.generation import IncrementalDecoder, kv_storage
 from attnkit.models.sampling import Sampler, row_seeds
 
 from .blocks import BlockManager
@@ -100,6 +100,17 @@ class Sequence_:
         return self.computed < len(self.tokens) - 1
 
 
+def _pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) -> torch.dtype:
+    """The paged pool's dtype: the model's, or a narrower one under a float32 model."""
+    stored = kv_storage(kv_dtype)
+    if stored is None:
+        return model_dtype
+    if model_dtype != torch.float32:
+        raise ValueError(f"kv_dtype={stored} stores a float32 model's keys in fewer bytes; this model computes in "
+                         f"{model_dtype}: use kv_dtype=None")
+    return stored
+
+
 class Engine:
     """Serve a decoder model to many requests at once over a paged KV cache.
 
@@ -112,12 +123,16 @@ class Engine:
         max_batch: most sequences running at once.
         token_budget: most prompt tokens prefilled per step.
         max_waiting: most requests waiting; more are refused (:class:`QueueFullError`).
+        kv_dtype: the dtype the pool stores keys and values in: None (the
+            model's), or bfloat16 / float16 under a float32 model: twice the
+            blocks in ``kv_memory_mib`` (attention reads the rounded keys).
     """
 
     def __init__(self, model: Any, decode: Callable[[list[int]], str], *, kv_memory_mib: float = 256,
-                 block_size: int = 16, max_batch: int = 16, token_budget: int = 512, max_waiting: int = 256) -> None:
+                 block_size: int = 16, max_batch: int = 16, token_budget: int = 512, max_waiting: int = 256,
+                 kv_dtype: torch.dtype | str | None = None) -> None:
         config = model.config
-        dtype = next(model.parameters()).dtype
+        dtype = _pool_dtype(next(model.parameters()).dtype, kv_dtype)
         per_block = PagedKVPool.bytes_per_block(num_layers=config.num_layers, block_size=block_size,
                                                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                                 dtype=dtype)

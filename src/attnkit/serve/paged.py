@@ -97,6 +97,7 @@ class PagedLayerCache:
             raise ValueError("a paged cache is read through a PagedBatch with explicit positions")
         keys, values = self.pool.k[self.layer], self.pool.v[self.layer]  # (N, G, D)
         slots = batch.write_slots.reshape(-1)  # (B * T,)
+        k, v = k.to(keys.dtype), v.to(values.dtype)  # a pool may store fewer bytes (Engine(kv_dtype=...))
         keys.index_copy_(0, slots, k.transpose(1, 2).reshape(-1, *keys.shape[1:]))  # (B, G, T, D) -> (B*T, G, D)
         values.index_copy_(0, slots, v.transpose(1, 2).reshape(-1, *values.shape[1:]))
         k_all = keys[batch.read_slots].transpose(1, 2)  # (B, S, G, D) -> (B, G, S, D)
