@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -56,7 +57,10 @@ def _wait(tab: Any, server: ServerProcess, condition: str, timeout: int) -> None
 def test_a_question_streams_its_answer_into_the_page(page: tuple[Any, ServerProcess]) -> None:
     tab, server = page
     tab.fill("#input", "What is the capital of France?")
-    tab.press("#input", "Enter")
+    with tab.expect_request("**/v1/chat/completions") as sent:
+        tab.press("#input", "Enter")
+    body = json.loads(sent.value.post_data or "{}")
+    assert (body["stream"], body["temperature"], body["max_tokens"]) == (True, 0.7, 512)  # a wandering answer ends
     _wait(tab, server, "document.querySelector('#send').disabled === false && "
                        "document.querySelectorAll('.assistant').length === 1 && "
                        "document.querySelector('.assistant').textContent.length > 0", 60_000)
