@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -330,10 +330,11 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
 
 
 def _new_caches(model: CausalLM, capacity: int, static: bool, dtype: torch.dtype | str | None) -> list[Cache]:
-    """The model's caches; ``dtype`` is passed only when asked for (a model may predate the keyword)."""
+    """The model's caches; ``dtype`` (GenerationOptions.kv_dtype, a dtype once checked) is passed only when asked
+    for (a model may predate the keyword)."""
     if dtype is None:
         return model.new_caches(capacity, static=static)
-    return model.new_caches(capacity, static=static, dtype=kv_storage(dtype))
+    return model.new_caches(capacity, static=static, dtype=cast(torch.dtype, dtype))
 
 
 def _prefill(model: CausalLM, ids: Tensor, positions: Tensor | None, caches: Sequence[Cache],

@@ -218,23 +218,17 @@ class Float16Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, float16"
 
 
-def _swap_embeddings(module: nn.Module) -> None:
-    """Replace every plain float32 ``nn.Embedding`` below ``module`` by a :class:`Float16Embedding`, in place.
+def _float16_table(module: nn.Module, _: str) -> nn.Module | None:
+    """A :class:`Float16Embedding` for a plain float32 ``nn.Embedding``; None for anything else.
 
     Left as they are: subclasses (their forward may do more, e.g. scale), tables
     with ``max_norm`` (renormalised on lookup), and tables float16 cannot hold.
     """
-    for name, child in module.named_children():
-        if isinstance(child, nn.Embedding) and _plain_table(child):
-            setattr(module, name, Float16Embedding(child.weight))
-        else:
-            _swap_embeddings(child)
-
-
-def _plain_table(module: nn.Embedding) -> bool:
     if type(module) is not nn.Embedding or module.max_norm is not None or module.weight.dtype != torch.float32:
-        return False
-    return bool(module.weight.detach().abs().max() <= torch.finfo(torch.float16).max)
+        return None
+    if module.weight.detach().abs().max() > torch.finfo(torch.float16).max:
+        return None
+    return Float16Embedding(module.weight)
 
 
 def int4_grid(weight: Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor, Tensor]:
@@ -330,13 +324,20 @@ def _check_grid_names(model: nn.Module, grids: Grids) -> None:
                          f"{sorted(linears)[:2]})")
 
 
-def _swap(module: nn.Module, make: Callable[[nn.Linear, str], nn.Module], prefix: str = "") -> None:
-    """Replace every ``nn.Linear`` below ``module`` by ``make(linear, its qualified name)``, in place."""
+def _swap(module: nn.Module, make: Callable[[nn.Module, str], nn.Module | None], prefix: str = "") -> None:
+    """Replace each module below ``module`` by ``make(it, its qualified name)``, in place; where ``make`` gives
+    None, look inside instead."""
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(module, name, make(child, prefix + name))
+        replacement = make(child, prefix + name)
+        if replacement is not None:
+            setattr(module, name, replacement)
         else:
             _swap(child, make, prefix + name + ".")
+
+
+def _linears(make: Callable[[nn.Linear, str], nn.Module]) -> Callable[[nn.Module, str], nn.Module | None]:
+    """``make`` for ``nn.Linear`` modules, None (look inside) for the others."""
+    return lambda module, name: make(module, name) if isinstance(module, nn.Linear) else None
 
 
 def _check(model: nn.Module, weights: str) -> None:
@@ -372,8 +373,8 @@ def quantize(model: nn.Module, weights: str, *, grids: Grids | None = None) -> n
         "int8": lambda linear, _: _int8(linear),
     }.get(weights) or _int4_with_float16_head(model, grids or {})
     _check_grid_names(model, grids or {})
-    _swap(model, make)  # before the embeddings: a head tied to one is found by sharing its table
-    _swap_embeddings(model)
+    _swap(model, _linears(make))  # before the embeddings: a head tied to one is found by sharing its table
+    _swap(model, _float16_table)
     model.weight_form = weights  # type: ignore[assignment]
     model.register_forward_pre_hook(_refuse_training)
     return model.eval()
