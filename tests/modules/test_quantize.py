@@ -33,21 +33,29 @@ def _perplexity_and_choices(model: nn.Module, ids: torch.Tensor) -> tuple[float,
     return math.exp(float(nll)), logits.argmax(-1)
 
 
-def _agreement_and_perplexity_ratio(form: str) -> tuple[float, float]:
+def _agreement_and_perplexity_ratio(form: str, dense: bool = True) -> tuple[float, float]:
+    """Against float32 on 256 positions; ``dense=False``: every packed layer through its kernel (as when
+    decoding), not the bfloat16 product a 257-token forward takes where bfloat16 is native."""
     from attnkit.models import load_smollm2
+    from attnkit.modules.quantize import PackedLinear
 
     reference = smollm2()
     ids = reference.tokenize(TEXT)["input_ids"][:, :257]
     assert ids.shape[1] == 257
     ppl32, choices32 = _perplexity_and_choices(reference, ids)
-    ppl, choices = _perplexity_and_choices(load_smollm2(weights=form), ids)
+    model = load_smollm2(weights=form)
+    for layer in model.modules():
+        if isinstance(layer, PackedLinear) and not dense:
+            layer.dense_rows = None
+    ppl, choices = _perplexity_and_choices(model, ids)
     return float((choices == choices32).double().mean()), ppl / ppl32
 
 
-@pytest.mark.parametrize("form", ["float16", "int4"])
-def test_each_weight_form_meets_the_accuracy_bar_on_256_positions(form: str) -> None:
-    """Greedy choice agreement >= 97% and perplexity within 3% of float32 (the file's dequantised weights)."""
-    agreement, ratio = _agreement_and_perplexity_ratio(form)
+@pytest.mark.parametrize(("form", "dense"), [("float16", True), ("int4", True), ("int4", False)])
+def test_each_weight_form_meets_the_accuracy_bar_on_256_positions(form: str, dense: bool) -> None:
+    """Greedy choice agreement >= 97% and perplexity within 3% of float32 (the file's dequantised weights),
+    int4 both through its kernel and through the bfloat16 product it takes for many rows."""
+    agreement, ratio = _agreement_and_perplexity_ratio(form, dense)
     assert agreement >= 0.97, agreement
     assert abs(ratio - 1) <= 0.03, ratio
 
@@ -90,14 +98,16 @@ def test_int4_recovers_the_files_q4_1_blocks_exactly() -> None:
     torch.testing.assert_close(low, torch.from_numpy(m), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [6, 300])
 @pytest.mark.parametrize("form", ["int8", "int4"])
-def test_packed_layers_equal_their_dequantised_weights(form: str) -> None:
-    """A packed layer computes x @ W^T over the weights it rounded to: bias added, any leading shape."""
+def test_packed_layers_equal_their_dequantised_weights(form: str, rows: int) -> None:
+    """A packed layer computes x @ W^T over the weights it rounded to: bias added, any leading shape; for
+    300 rows through one bfloat16 product over its unpacked weight (where bfloat16 is native), 6 its kernel."""
     from attnkit.modules.quantize import Int4Linear, Int8Linear, int4_grid
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
-    x = torch.randn(2, 3, 64, generator=gen)
+    x = torch.randn(rows // 3, 3, 64, generator=gen)
     if form == "int8":
         layer = Int8Linear(weight, bias)
         dequantised = layer.codes.double() * layer.scale.double()[:, None]  # (48, 64)
@@ -107,10 +117,41 @@ def test_packed_layers_equal_their_dequantised_weights(form: str) -> None:
         codes, scale, low = int4_grid(weight)  # what the layer packed, in bfloat16
         step = scale.double().repeat_interleave(32, 1)  # (48, 2) -> (48, 64)
         dequantised = low.double().repeat_interleave(32, 1) + codes.double() * step
-    expected = x.to(torch.bfloat16).double() @ dequantised.T + bias.double()  # the kernel reads bfloat16 input
+    dense = layer.dense_rows is not None and rows >= layer.dense_rows
+    if dense:  # one bfloat16 product over the unpacked weight: the dequantised one, rounded to bfloat16
+        torch.testing.assert_close(layer.dense_weight(), dequantised.to(torch.bfloat16), atol=0, rtol=0)
+    read = dequantised.to(torch.bfloat16).double() if dense else dequantised  # (48, 64)
+    expected = x.to(torch.bfloat16).double() @ read.T + bias.double()  # the kernel reads bfloat16 input
     torch.testing.assert_close(layer(x).double(), expected, atol=2e-2, rtol=1e-2)
     # and those weights are the given ones, rounded to the nearest step (bfloat16 minimums: a little more)
     assert bool(((dequantised - weight.double()).abs() <= 0.5 * step + 1e-2).all())
+
+
+@pytest.mark.parametrize("out_features", [16, 48, 64, 112, 192])
+def test_int4_unpacks_the_kernels_tiles_back_to_its_codes(out_features: int) -> None:
+    """Full blocks of 64 outputs and a last block of 16, 32 or 48 (the AVX512 layout; others are checked at
+    construction and keep the kernel)."""
+    from attnkit.modules.quantize import Int4Linear, int4_grid, unpack_int4
+
+    weight = torch.randn(out_features, 96, generator=torch.Generator().manual_seed(out_features))
+    layer = Int4Linear(weight)
+    if str(torch.backends.cpu.get_cpu_capability()) != "AVX512":
+        pytest.skip("the int4 tiles are read back in PyTorch's AVX512 layout only")
+    codes = int4_grid(weight)[0]  # (N, K) int32
+    torch.testing.assert_close(unpack_int4(layer.packed, out_features, 96), codes.T.to(torch.uint8), atol=0,
+                               rtol=0)
+
+
+def test_packed_layers_keep_their_kernel_where_bfloat16_is_slow_or_the_tiles_unknown(monkeypatch) -> None:
+    import attnkit.modules.quantize as q
+
+    weight = torch.randn(64, 64)
+    monkeypatch.setattr(q, "has_fast_bfloat16", lambda: False)
+    assert q.Int8Linear(weight).dense_rows is None and q.Int4Linear(weight).dense_rows is None
+    monkeypatch.setattr(q, "has_fast_bfloat16", lambda: True)
+    assert q.Int8Linear(weight).dense_rows == 64
+    monkeypatch.setattr(q, "unpack_int4", lambda packed, n, k: torch.zeros(k, n, dtype=torch.uint8))
+    assert q.Int4Linear(weight).dense_rows is None  # tiles laid out otherwise than read: never unpacked
 
 
 def test_a_quantized_model_generates_the_greedy_answer_of_float32() -> None:
