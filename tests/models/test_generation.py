@@ -352,6 +352,7 @@ def test_a_tiny_temperature_samples_the_greedy_token_and_infinity_is_refused(tin
         tiny32.generate(ids, max_new_tokens=1, temperature=float("inf"))
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_the_compiled_decode_step_equals_the_eager_one(tiny64: Any) -> None:
     """generate(compile=True): one fullgraph graph per step over static caches, the same tokens as eager."""
     batch = tiny64.tokenize(["the sin", "a", "the the a sin in"])

@@ -32,8 +32,9 @@ round their input to bfloat16 and return float32. Given many rows at once (a
 prompt), where bfloat16 arithmetic is native, the int8 and int4 layers
 instead widen their weight to bfloat16 for that call and run one bfloat16
 matrix product (oneDNN): from 64 rows (int8) or 256 (int4, whose unpacking
-costs more) this measured faster than their kernels, 2.5x at 4,000 rows (a
-4,000-token prompt: 1.5x faster prefill end to end, BENCHMARKS.md). The
+costs more) this measured faster than their kernels, 2.3-2.8x at 4,000 rows
+(a 4,000-token prompt: 1.4-1.5x faster prefill end to end; BENCHMARKS.md,
+round seven). The
 weight is rounded to bfloat16 on the way (relative error 2^-9, the size of
 the input's own rounding). float16 and int4 meet the
 accuracy bar on SmolLM2 (tests/modules/test_quantize.py: >= 97% greedy
@@ -213,7 +214,7 @@ class Int8Linear(PackedLinear):
         return torch._weight_int8pack_mm(x, self.codes, self.scale)  # (M, in) -> (M, out)
 
     def dense_weight(self) -> Tensor:
-        return self.codes.to(torch.bfloat16) * self.scale[:, None]  # (out, in)
+        return self.codes * self.scale[:, None]  # (out, in) int8 * (out, 1) bfloat16 -> bfloat16, one allocation
 
 
 class Float16Embedding(nn.Module):
@@ -291,8 +292,7 @@ class Int4Linear(PackedLinear):
         zero = (low.float() + 8 * scale.float()).to(torch.bfloat16)
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))  # (N, K / 2) uint8
         self.register_buffer("scale_zero", torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous())
-        unpacks = has_fast_bfloat16() and torch.equal(unpack_int4(self.packed, out_features, in_features),
-                                                      codes.T.to(torch.uint8))  # this PyTorch's tiles, as read here
+        unpacks = has_fast_bfloat16() and reads_int4_tiles(out_features)
         self.dense_rows = 256 if unpacks else None  # measured: faster than the kernel from 128-256 rows (unpacking)
 
     def matmul(self, x: Tensor) -> Tensor:
@@ -307,14 +307,30 @@ class Int4Linear(PackedLinear):
         return weight.to(torch.bfloat16).view(self.in_features, self.out_features).T  # (K, N) -> (N, K) view
 
 
+_TILES_READ: dict[int, bool] = {}  # out_features % 64 -> whether unpack_int4 reads this PyTorch's tiles
+
+
+def reads_int4_tiles(out_features: int) -> bool:
+    """Whether :func:`unpack_int4` reads back what ``torch._convert_weight_to_int4pack_for_cpu`` packs, for
+    layers of ``out_features`` outputs (their last block of 16, 32 or 48 is laid out apart): tried once per
+    process and remainder on fixed codes, every position distinct."""
+    rest = out_features % 64
+    if rest not in _TILES_READ:
+        n, k = 128 + rest, 64  # two full blocks and the remainder
+        codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # (n, k / 2) uint8
+        _TILES_READ[rest] = torch.equal(unpack_int4(packed, n, k), codes.T.to(torch.uint8))
+    return _TILES_READ[rest]
+
+
 def unpack_int4(packed: Tensor, out_features: int, in_features: int) -> Tensor:
     """The codes (in, out) uint8 in 0..15 of ``torch._convert_weight_to_int4pack_for_cpu``'s AVX512 layout.
 
     The outputs go in blocks of 64; per block and input, 32 bytes whose byte j
     holds output j (low nibble) and output j + 32 (high). A last block of 16,
     32 or 48 outputs holds pairs: byte j has outputs 2j and 2j + 1. (Other CPU
-    builds lay them out otherwise: :class:`Int4Linear` checks this against
-    the codes it packed before it relies on it.)
+    builds lay them out otherwise: :class:`Int4Linear` relies on it only
+    where :func:`reads_int4_tiles`.)
     """
     full = out_features // 64 * 64
     flat = packed.reshape(-1)  # (N * K / 2,) bytes in the kernel's order
