@@ -275,8 +275,11 @@ def test_sigint_during_an_answer_in_a_real_process_keeps_the_session(tmp_path: P
     path = tmp_path / "long.gguf"
     write_tiny_llama(path, context=100_000)
     code = "import sys; from attnkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    # a shell starting this run in the background (``bash .ci/run &``) ignores SIGINT in its children, and Python
+    # keeps an ignored SIGINT ignored: the chat gets the default disposition back, as a terminal would give it
     chat = subprocess.Popen([sys.executable, "-c", code, "chat", "--gguf", str(path), "--max-new-tokens", "90000"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert chat.stdin is not None and chat.stdout is not None
     chat.stdin.write(b"hi\n")
     chat.stdin.flush()
