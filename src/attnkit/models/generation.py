@@ -152,6 +152,9 @@ class GenerationStats:
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+_KV_NAMES = ("bfloat16", "float16")  # the storage dtypes kv_dtype may name
+
+
 def kv_storage(kv_dtype: object) -> torch.dtype | None:
     """A cache storage dtype from a dtype or its name ("bfloat16", "float16"); None = the model's own."""
     named = getattr(torch, kv_dtype, None) if isinstance(kv_dtype, str) and kv_dtype in _KV_NAMES else kv_dtype
@@ -160,9 +163,6 @@ def kv_storage(kv_dtype: object) -> torch.dtype | None:
     except ValueError:
         raise ValueError(f"kv_dtype must be None (the model's dtype), 'bfloat16' or 'float16' (or the torch dtype), "
                          f"got kv_dtype={kv_dtype!r}") from None
-
-
-_KV_NAMES = ("bfloat16", "float16")
 
 
 def check_input_ids(model: CausalLM, input_ids: object) -> Tensor:

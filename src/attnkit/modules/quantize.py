@@ -26,21 +26,19 @@ saves memory (57 MB of SmolLM2's 113 MB table), not time.
 
 Every packed layer is an op ``torch.compile`` captures (the compiled decode
 step of :mod:`attnkit.models.generation` runs on any form). The int8 and
-int4 kernels take bfloat16 activations: their float32 path
-measured 4-25x slower on this project's CPU (BENCHMARKS.md), so those layers
-round their input to bfloat16 and return float32. Given many rows at once (a
-prompt), where bfloat16 arithmetic is native, the int8 and int4 layers
-instead widen their weight to bfloat16 for that call and run one bfloat16
-matrix product (oneDNN): from 64 rows (int8) or 256 (int4, whose unpacking
-costs more) this measured faster than their kernels, 2.3-2.8x at 4,000 rows
-(a 4,000-token prompt: 1.4-1.5x faster prefill end to end; BENCHMARKS.md,
-round seven). The
+int4 kernels take bfloat16 activations: their float32 path measured 4-25x
+slower on this project's CPU (BENCHMARKS.md), so those layers round their
+input to bfloat16 and return float32. Given many rows at once (a prompt),
+where bfloat16 arithmetic is native, the int8 and int4 layers instead widen
+their weight to bfloat16 for that call and run one bfloat16 matrix product
+(oneDNN): from 64 rows (int8) or 256 (int4, whose unpacking costs more) this
+measured faster than their kernels, 2.3-2.8x at 4,000 rows (a 4,000-token
+prompt: 1.4-1.5x faster prefill end to end; BENCHMARKS.md, round seven). The
 weight is rounded to bfloat16 on the way (relative error 2^-9, the size of
-the input's own rounding). float16 and int4 meet the
-accuracy bar on SmolLM2 (tests/modules/test_quantize.py: >= 97% greedy
-agreement, perplexity within 3%); int8 keeps perplexity (within 0.4%) but
-agrees on 96.1% of greedy choices: one scale per row is coarser than the
-file's 4-bit groups.
+the input's own rounding). float16 and int4 meet the accuracy bar on SmolLM2
+(tests/modules/test_quantize.py: >= 97% greedy agreement, perplexity within
+3%); int8 keeps perplexity (within 0.4%) but agrees on 96.1% of greedy
+choices: one scale per row is coarser than the file's 4-bit groups.
 
 Refused, by name: an unknown form, a form this CPU's PyTorch cannot run, a
 model quantized twice, and a quantized model asked to train or to
