@@ -10,9 +10,12 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from attnkit.bench import llamacpp
 from attnkit.bench.command import Options, add_arguments
@@ -28,6 +31,7 @@ from attnkit.bench.generate import (
     run_generate_suite,
 )
 from attnkit.bench.generate import _rounds as rounds
+from tests._util import need
 from tests.models._decoder import need_smollm2, smollm2
 
 
@@ -178,6 +182,17 @@ def test_a_compiled_contender_runs_the_compiled_step_and_warms_up_on_the_case_it
     (Options(suite="generate", threads=0), "threads must be an int >= 1"),
     (Options(suite="generate", compiled=["int5"]), "unknown weight form 'int5'"),
     (Options(suite="generate", forms=["int4"], compiled=["int4", "int4"]), "weight form 'int4' is named twice"),
+    (Options(suite="generate", device="cuda", dtype="bfloat16", forms=["float32", "int4"]),
+     "weight form 'int4' is a packed CPU kernel: on device 'cuda' attnkit runs its plain weights in dtype bfloat16 "
+     "(forms: float32 only)"),
+    (Options(suite="generate", device="cuda:0", dtype="float16", compiled=["int8"]),
+     "weight form 'int8' is a packed CPU kernel: on device 'cuda:0'"),
+    (Options(suite="generate", device="cuda", forms=["int3"]), "unknown weight form 'int3'"),
+    (Options(suite="generate", device="cuda", dtype="float64"),
+     "dtype must be one of float32, bfloat16, float16 on device 'cuda', got dtype='float64'"),
+    (Options(suite="generate", device="mps"), "the generate suite runs on 'cpu' or 'cuda' (or 'cuda:N'), got "
+     "device='mps'"),
+    (Options(suite="generate", device="gpu"), "device must be 'cpu', 'cuda' or 'cuda:N', got device='gpu'"),
 ])
 def test_bad_options_are_refused_by_name(options: Options, message: str):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -216,7 +231,7 @@ def test_tiny_run_end_to_end_with_llama_cpp_missing(monkeypatch: pytest.MonkeyPa
     from attnkit.bench import generate
 
     model = smollm2()  # loaded once per session
-    monkeypatch.setattr(attnkit.models, "load_smollm2", lambda weights="float32": model)
+    monkeypatch.setattr(attnkit.models, "load_smollm2", lambda **_: model)
     monkeypatch.setattr(generate, "_tokenizer", lambda spec: (model.tokenizer, model.context_length))
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     rows = run_generate_suite(GenerateSuite(forms=("float32",), lengths=(8,), batch=2, new_tokens=3, repeats=1,
@@ -341,3 +356,156 @@ def test_format_rows_shows_the_note_that_gemma3_runs_batch_1_only():
     lines = format_rows(rows).splitlines()
     assert lines[0] == "Gemma 3 270M: batch 1 only"
     assert lines[1].startswith("target gemma3 batch 1, 16-token context") and lines[1].count(": met") == 1
+
+
+# On a GPU: attnkit's plain weights in --dtype beside transformers, no CPU measurements, every clock synchronised
+
+def test_a_cuda_suite_names_its_contenders_by_dtype_and_leaves_out_what_the_cpu_measures():
+    """--device cuda: the plain form only, named by its dtype (attnkit-float32 would claim float32 activations);
+    llama.cpp and the load/memory processes dropped even when not asked to be."""
+    suite = GenerateSuite.from_options(Options(suite="generate", device="cuda", dtype="bfloat16", batch=[1, 8],
+                                               seq_lens=[16, 4000, 7900], new_tokens=64, repeats=3))
+    assert (suite.device, suite.dtype, suite.forms) == ("cuda", "bfloat16", ("float32",))
+    assert suite.lengths == (16, 4000, 7900) and suite.batch == 8 and suite.new_tokens == 64
+    assert suite.llamacpp == () and suite.memory is False and not suite.on_cpu
+    assert suite.names(llamacpp_installed=True) == ["attnkit-bfloat16", "transformers-bfloat16"]
+    assert suite.attnkit_names() == {"attnkit-bfloat16": "float32"}
+    compiled = GenerateSuite.from_options(Options(suite="generate", device="cuda:0", dtype="float16",
+                                                  compiled=["float32"], no_transformers=True))
+    assert compiled.attnkit_names() == {"attnkit-float16": "float32", "attnkit-float16-compiled": "float32"}
+
+
+def test_cpu_names_are_unchanged_by_the_device_fields():
+    """The CPU report and its targets read attnkit-<form> and transformers-float32."""
+    suite = GenerateSuite(forms=("float32", "int4"), llamacpp=("off",), compiled=("int4",))
+    assert suite.on_cpu and suite.attnkit_names() == {"attnkit-float32": "float32", "attnkit-int4": "int4",
+                                                      "attnkit-int4-compiled": "int4"}
+    assert suite.names(llamacpp_installed=True)[-2:] == ["transformers-float32", "llama.cpp"]
+
+
+def test_a_cuda_suite_built_directly_is_refused_cpu_measurements_and_a_cpu_one_any_dtype_but_float32():
+    with pytest.raises(ValueError, match=re.escape("llama.cpp and the load-time and memory processes are CPU "
+                                                   "measurements: on device 'cuda' leave them out")):
+        GenerateSuite(device="cuda", dtype="bfloat16", forms=("float32",))
+    with pytest.raises(ValueError, match=re.escape("on the CPU the generate suite keeps float32 activations, got "
+                                                   "dtype='bfloat16'")):
+        GenerateSuite(forms=("float32",), dtype="bfloat16")
+    suite = GenerateSuite.for_model("smollm2", device="cuda", dtype="bfloat16")  # the model's defaults, for CUDA
+    assert (suite.forms, suite.llamacpp, suite.memory, suite.batch) == (("float32",), (), False, 8)
+    assert GenerateSuite.for_model("gemma3", device="cuda", dtype="bfloat16").forms == ("float32",)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given without a CUDA device")
+def test_a_cuda_run_without_cuda_says_so_before_any_work(monkeypatch: pytest.MonkeyPatch):
+    from attnkit.bench import generate
+
+    def no_work(spec: object) -> None:
+        raise AssertionError("the model file was read before the device was checked")
+
+    monkeypatch.setattr(generate, "_tokenizer", no_work)
+    with pytest.raises(ValueError, match=re.escape("--device cuda: this torch") + ".*sees no CUDA device"):
+        run_generate_suite(GenerateSuite.for_model("smollm2", device="cuda", dtype="bfloat16"))
+
+
+class _Events:
+    """A log of synchronisations and clock reads, for the generate module's clock and torch.cuda.synchronize."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from attnkit.bench import generate
+
+        self.log: list[str] = []
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.log.append("sync"))
+        monkeypatch.setattr(generate, "time", SimpleNamespace(perf_counter=lambda: self.log.append("clock") or 0.0))
+        # a (B, T) tensor on the CPU stands in for one on the GPU, which this machine may not have
+        monkeypatch.setattr(generate, "token_ids", lambda rows, device: torch.tensor([list(r) for r in rows]))
+
+    def every_clock_follows_a_sync(self) -> bool:
+        return all(i > 0 and self.log[i - 1] == "sync" for i, e in enumerate(self.log) if e == "clock")
+
+
+def test_on_cuda_attnkit_reads_every_clock_after_a_synchronize(monkeypatch: pytest.MonkeyPatch):
+    """Without it the clock would time the kernel launches, not the work: the first token would look instant."""
+    import attnkit.models.generation as generation
+    from attnkit.bench import generate
+
+    events = _Events(monkeypatch)
+
+    def steps(model: object, ids: torch.Tensor, **kw: object):
+        for _ in range(3):
+            events.log.append("token")
+            yield ids[:, 0]
+
+    monkeypatch.setattr(generation, "generate_steps", steps)
+    generate.Attnkit(model=None, device="cuda").single(list(range(4)), 3)
+    assert events.log == ["sync", "clock", "token", "sync", "clock", "token", "token", "sync", "clock"]
+    model = SimpleNamespace(generate=lambda *a, **kw: events.log.append("generate"))
+    events.log.clear()
+    generate.Attnkit(model=model, device="cuda").batch([[1, 2], [3, 4]], 2)
+    assert events.log == ["sync", "clock", "generate", "sync", "clock"]
+
+
+def test_on_cuda_transformers_reads_every_clock_after_a_synchronize(monkeypatch: pytest.MonkeyPatch):
+    from attnkit.bench import generate
+
+    events = _Events(monkeypatch)
+
+    def hf_generate(ids: torch.Tensor, streamer: object = None, max_new_tokens: int = 0, **kw: object) -> None:
+        events.log.append("generate")
+        for _ in range(max_new_tokens + 1 if streamer is not None else 0):  # the prompt, then each new token
+            streamer.put(ids)  # type: ignore[attr-defined]
+
+    contender = generate.Transformers(SimpleNamespace(generate=hf_generate), device="cuda")
+    contender.single([1, 2, 3], 2)
+    assert events.log.count("clock") == 4 and events.every_clock_follows_a_sync()  # the start and 3 puts
+    events.log.clear()
+    contender.batch([[1, 2], [3, 4]], 2)
+    assert events.log == ["sync", "clock", "generate", "sync", "clock"]
+
+
+def test_on_the_cpu_nothing_synchronises(monkeypatch: pytest.MonkeyPatch):
+    """CPU runs keep working on a PyTorch built without CUDA (where synchronize would raise)."""
+    from attnkit.bench import generate
+
+    events = _Events(monkeypatch)
+    model = SimpleNamespace(generate=lambda *a, **kw: None)
+    generate.Attnkit(model=model).batch([[1, 2]], 2)
+    generate.Transformers(model).batch([[1, 2]], 2)
+    assert "sync" not in events.log and events.log.count("clock") == 4
+
+
+def test_the_cuda_path_end_to_end_on_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Everything --device cuda does but the device itself, on a tiny Llama file: loaded in bfloat16 as its plain
+    form, timed with synchronisations, llama.cpp and the load/memory processes skipped with a row each, no
+    targets but a note saying why, the GPU's name and the dtype in the env row."""
+    need("gguf")
+    import attnkit.bench.command as command
+    from attnkit.bench import generate
+    from attnkit.models import load_gguf
+    from tests.models._decoder import write_tiny_llama
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, context=128)
+    loads: list[tuple[str, torch.dtype]] = []
+
+    def load(weights: str, dtype: torch.dtype) -> object:
+        loads.append((weights, dtype))
+        return load_gguf(path, dtype=dtype, weights=weights)
+
+    monkeypatch.setitem(generate.MODELS, "smollm2", replace(MODELS["smollm2"], path=lambda: path, load=load))
+    real = generate.device_type
+    monkeypatch.setattr(generate, "device_type", lambda device: "cuda" if device == "cpu" else real(device))
+    syncs: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", syncs.append)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(command, "check_device", lambda device: None)
+    suite = GenerateSuite.for_model("smollm2", device="cpu", dtype="bfloat16", lengths=(8,), batch=2, new_tokens=3,
+                                    repeats=1, transformers=False)
+    rows = run_generate_suite(suite)
+    assert loads == [("float32", torch.bfloat16)] and len(syncs) >= 10
+    assert [r["kind"] for r in rows] == ["env", "skipped", "note", "bound", "batch 1", "batched", "note"]
+    env, skipped, memory, bound, one, batched, targets = rows
+    assert (env["device"], env["dtype"], env["gpu"]) == ("cpu", "bfloat16", "Fake GPU") and "default_form" not in env
+    assert skipped["contender"] == "llama.cpp" and "runs on the CPU" in skipped["reason"]
+    assert "load time and memory" in memory["text"] and bound["weights"] == "bfloat16"
+    assert one["contender"] == batched["contender"] == "attnkit-bfloat16" and one["decode_tokens_per_s"] > 0
+    assert "targets: not judged on cpu" in targets["text"]

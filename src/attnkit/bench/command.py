@@ -173,14 +173,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-memory-gib", type=float, default=8.0,
                    help="skip cases whose (T, T) scores would need more (default 8)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="float32 (default); generate: float32 on the CPU, the activation dtype with --device cuda")
     p.add_argument("--out", default="bench-out", help="folder for results.json, summary.md and plots")
     generate = p.add_argument_group("the generate suite")
     generate.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2",
                           help="the model: smollm2 (default; every case) or gemma3 (batch 1 at 16 and 2000 tokens, "
                           "attnkit float32 and its fastest accurate form, transformers, llama.cpp)")
     generate.add_argument("--forms", type=_csv(str), help="attnkit weight forms, e.g. float32,int4 "
-                          "(default: every form this CPU runs)")
+                          "(default: every form this CPU runs; --device cuda: float32 only, the plain weights in "
+                          "--dtype)")
     generate.add_argument("--compiled", type=_csv(str), help="weight forms to run also with the compiled "
                           "decoding step (generate(compile=True)), e.g. int4; compiled in the warm-up rounds")
     generate.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")

@@ -30,12 +30,20 @@ order rotating) and summarised by the median; greedy, no stop token:
 Gemma 3 runs the batch-1 cases only (attnkit float32 and its fastest
 accurate form): no batched case and no load-time or memory processes.
 
+On a GPU (``--device cuda --dtype bfloat16``) attnkit runs its plain weights
+in that dtype (``attnkit-bfloat16``; the packed forms are CPU kernels) beside
+``transformers-bfloat16`` on the same device, each clock read after
+``torch.cuda.synchronize()``. llama.cpp, the load-time and memory processes
+and the targets (judged on the CPU forms) are CPU measurements: skipped there,
+each with a row that says so.
+
 The targets these rows decide are rows too (:func:`generate_targets` for
 SmolLM2, judged on attnkit's default weight form,
 :func:`attnkit.modules.quantize.default_form`; :func:`gemma3_targets`).
 
     attnkit bench --suite generate --out bench-out/generate
     attnkit bench --suite generate --model gemma3 --out bench-out/generate-gemma3
+    attnkit bench --suite generate --device cuda --dtype bfloat16 --out bench-out/generate-cuda
     python -m attnkit.bench.generate --lengths 16 --forms float32,int4 --no-transformers --no-llamacpp
 
 Legend: B batch, T prompt tokens.
@@ -48,6 +56,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +64,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from attnkit._cpu import SlowDtypeWarning
 from attnkit._optional import require
 from attnkit.modules.quantize import WEIGHT_FORMS, available_forms, default_form
 
@@ -74,6 +84,8 @@ _TEXT = ("The Roman Empire was the post-Republican state of ancient Rome. It is 
 BATCH_PROMPT = 64  # tokens per prompt of the batched case
 FLASH_ATTN = {"off": "llama.cpp", "on": "llama.cpp-fa"}  # llama.cpp's flash-attention path -> contender
 GEMMA3_LENGTHS = (16, 2000)  # the context lengths Gemma 3's targets are judged at
+PLAIN = "float32"  # the weight form of plain nn.Linear layers: the one form that runs off the CPU
+GPU_DTYPES = ("float32", "bfloat16", "float16")  # activation dtypes of a run on CUDA
 C = TypeVar("C")
 R = TypeVar("R")
 
@@ -86,7 +98,7 @@ class BenchModel:
         name: the ``--model`` name.
         title: its name in messages.
         path: the GGUF file every contender loads.
-        load: attnkit's model in a weight form (``load(weights)``).
+        load: attnkit's model in a weight form and an activation dtype, on the CPU (``load(weights, dtype)``).
         context_length: the model's context length, from the file's metadata.
         accurate_forms: the weight forms that meet the accuracy bar on it.
         lengths: the default batch-1 context lengths.
@@ -98,7 +110,7 @@ class BenchModel:
     name: str
     title: str
     path: Callable[[], Path]
-    load: Callable[[str], Any]
+    load: Callable[[str, torch.dtype], Any]
     context_length: Callable[[dict[str, Any]], int]
     accurate_forms: Callable[[], Sequence[str]]
     lengths: tuple[int, ...]
@@ -124,10 +136,10 @@ def _smollm2_path() -> Path:
     return smollm2_path()
 
 
-def _smollm2_load(weights: str) -> Any:
+def _smollm2_load(weights: str, dtype: torch.dtype) -> Any:
     from attnkit import models
 
-    return models.load_smollm2(weights=weights)
+    return models.load_smollm2(weights=weights, dtype=dtype)
 
 
 def _smollm2_context(metadata: dict[str, Any]) -> int:
@@ -142,10 +154,10 @@ def _gemma3_path() -> Path:
     return gemma3_path()
 
 
-def _gemma3_load(weights: str) -> Any:
+def _gemma3_load(weights: str, dtype: torch.dtype) -> Any:
     from attnkit import models
 
-    return models.load_gemma3(weights=weights)
+    return models.load_gemma3(weights=weights, dtype=dtype)
 
 
 def _gemma3_context(metadata: dict[str, Any]) -> int:
@@ -184,17 +196,21 @@ class GenerateSuite:
 
     Args:
         model: the model, a key of :data:`MODELS`.
-        forms: attnkit's weight forms (default: every form this CPU runs).
+        forms: attnkit's weight forms (default: every form this CPU runs; on CUDA only "float32", the plain
+            weights, which then compute in ``dtype``).
         lengths: batch-1 context lengths (prompt tokens); () = no batch-1 case.
         batch: prompts in the batched case (64 tokens each); 0 = no batched case.
         new_tokens: tokens generated per prompt (>= 2: decoding is timed after the first).
         repeats: interleaved rounds per case.
         threads: threads of every contender (torch's and llama.cpp's).
-        transformers: include transformers in float32.
-        llamacpp: llama.cpp's flash-attention settings to run, each a contender: "off", "on".
-        memory: measure load time and memory, in a fresh process per contender.
+        transformers: include transformers (in ``dtype``, on ``device``).
+        llamacpp: llama.cpp's flash-attention settings to run, each a contender: "off", "on" (CPU only).
+        memory: measure load time and memory, in a fresh process per contender (CPU only).
         compiled: weight forms also run with the compiled decoding step (``generate(compile=True)``), each a
             contender ``attnkit-<form>-compiled`` (its compilation falls in the warm-up rounds).
+        device: "cpu", or "cuda" / "cuda:N": attnkit and transformers on that GPU.
+        dtype: the activation dtype: "float32" on the CPU (the weight forms choose the rest); on CUDA one of
+            :data:`GPU_DTYPES`.
     """
 
     model: str = "smollm2"
@@ -208,6 +224,8 @@ class GenerateSuite:
     llamacpp: tuple[str, ...] = ("off", "on")
     memory: bool = True
     compiled: tuple[str, ...] = ()
+    device: str = "cpu"
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -215,17 +233,7 @@ class GenerateSuite:
         if not MODELS[self.model].batch and (self.batch or self.memory):
             raise ValueError(f"the {self.model} suite runs batch 1 only: batch must be 0 and memory False, got "
                              f"batch={self.batch}, memory={self.memory}")
-        unknown = [f for f in (*self.forms, *self.compiled) if f not in WEIGHT_FORMS]
-        if unknown:
-            raise ValueError(f"unknown weight form {unknown[0]!r}; known: {', '.join(WEIGHT_FORMS)}")
-        missing = [f for f in (*self.forms, *self.compiled) if f not in available_forms()]
-        if missing:
-            raise ValueError(f"weight form {missing[0]!r} does not run on this CPU's PyTorch (it needs the fbgemm "
-                             f"engine); available here: {', '.join(available_forms())}")
-        twice = sorted({f for f in self.compiled if self.compiled.count(f) > 1} | {
-            f for f in self.forms if self.forms.count(f) > 1})
-        if twice:
-            raise ValueError(f"weight form {twice[0]!r} is named twice (--forms, --compiled): once each")
+        self._check_forms()
         bad = [fa for fa in self.llamacpp if fa not in FLASH_ATTN]
         if bad:
             raise ValueError(f"llama.cpp flash attention must be 'off' or 'on', got {bad[0]!r}")
@@ -238,19 +246,60 @@ class GenerateSuite:
         if not self.lengths and not self.batch and not self.memory:
             raise ValueError("nothing to measure: no context length, batch 0 and no load/memory measurement")
 
+    def _check_forms(self) -> None:
+        """Known forms, each named once, fitting the device; on the CPU each one this PyTorch runs."""
+        unknown = [f for f in (*self.forms, *self.compiled) if f not in WEIGHT_FORMS]
+        if unknown:
+            raise ValueError(f"unknown weight form {unknown[0]!r}; known: {', '.join(WEIGHT_FORMS)}")
+        twice = sorted({f for f in self.compiled if self.compiled.count(f) > 1} | {
+            f for f in self.forms if self.forms.count(f) > 1})
+        if twice:
+            raise ValueError(f"weight form {twice[0]!r} is named twice (--forms, --compiled): once each")
+        self._check_device()
+        missing = [f for f in (*self.forms, *self.compiled) if f not in available_forms()] if self.on_cpu else []
+        if missing:
+            raise ValueError(f"weight form {missing[0]!r} does not run on this CPU's PyTorch (it needs the fbgemm "
+                             f"engine); available here: {', '.join(available_forms())}")
+
+    def _check_device(self) -> None:
+        """The device, the dtype on it, and on CUDA no packed form, llama.cpp or load/memory process."""
+        if device_type(self.device) == "cpu":
+            if self.dtype != "float32":
+                raise ValueError(f"on the CPU the generate suite keeps float32 activations, got dtype="
+                                 f"{self.dtype!r}: its weight forms are chosen with forms (--forms)")
+            return
+        if self.dtype not in GPU_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(GPU_DTYPES)} on device {self.device!r}, got "
+                             f"dtype={self.dtype!r}")
+        packed = [f for f in (*self.forms, *self.compiled) if f != PLAIN]
+        if packed:
+            raise ValueError(f"weight form {packed[0]!r} is a packed CPU kernel: on device {self.device!r} attnkit "
+                             f"runs its plain weights in dtype {self.dtype} (forms: {PLAIN} only)")
+        if self.llamacpp or self.memory:
+            raise ValueError(f"llama.cpp and the load-time and memory processes are CPU measurements: on device "
+                             f"{self.device!r} leave them out (llamacpp=(), memory=False), got "
+                             f"llamacpp={self.llamacpp}, memory={self.memory}")
+
     @property
     def spec(self) -> BenchModel:
         """The model's descriptor."""
         return MODELS[self.model]
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the run is on the CPU (else on a CUDA device)."""
+        return device_type(self.device) == "cpu"
+
     @classmethod
     def for_model(cls, model: str, **fields: Any) -> GenerateSuite:
-        """The suite on ``model`` with its defaults (forms, lengths, batch, memory), ``fields`` overriding."""
+        """The suite on ``model`` with its defaults (forms, lengths, batch, memory; on CUDA the plain form and
+        no llama.cpp), ``fields`` overriding."""
         if model not in MODELS:
             raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
         spec = MODELS[model]
-        defaults = {"forms": spec.default_forms(), "lengths": spec.lengths, "batch": spec.batch,
-                    "memory": bool(spec.batch)}
+        cpu = device_type(fields.get("device", "cpu")) == "cpu"
+        defaults = {"forms": spec.default_forms() if cpu else (PLAIN,), "lengths": spec.lengths, "batch": spec.batch,
+                    "memory": bool(spec.batch) and cpu, "llamacpp": ("off", "on") if cpu else ()}
         return cls(model=model, **{**defaults, **fields})
 
     @classmethod
@@ -259,10 +308,13 @@ class GenerateSuite:
 
         ``--model`` picks the model (default smollm2). ``--batch`` picks the cases: 1 = the batch-1 cases (at
         ``--lengths``), another size = the batched case with that many prompts (default 1,8; Gemma 3: 1).
+        ``--device cuda`` runs attnkit's plain weights (and transformers) in ``--dtype`` on the GPU, without
+        llama.cpp and the load-time and memory processes (CPU measurements).
         """
-        if options.dtype != "float32":
+        cpu = device_type(options.device) == "cpu"
+        if cpu and options.dtype != "float32":
             raise ValueError(f"the generate suite keeps float32 activations (got --dtype {options.dtype}); its "
-                             "weight forms are chosen with --forms")
+                             "weight forms are chosen with --forms (--device cuda runs in --dtype)")
         if options.contenders:
             raise ValueError("--contenders names layer contenders; the generate suite's are chosen with --forms, "
                              "--no-transformers and --no-llamacpp")
@@ -272,19 +324,44 @@ class GenerateSuite:
         spec = MODELS[model]
         batch = options.batch or ([1, spec.batch] if spec.batch else [1])
         fa = {"off": ("off",), "on": ("on",), "both": ("off", "on")}[options.llamacpp_fa]
-        return cls.for_model(model, forms=tuple(options.forms or spec.default_forms()),
+        forms = options.forms or (spec.default_forms() if cpu else (PLAIN,))
+        return cls.for_model(model, forms=tuple(forms),  # on CUDA: no llama.cpp, no load/memory processes
                              lengths=tuple(options.seq_lens or spec.lengths) if 1 in batch else (),
                              batch=max([b for b in batch if b != 1], default=0), new_tokens=options.new_tokens,
                              repeats=options.repeats, threads=options.threads,
-                             transformers=not options.no_transformers, llamacpp=() if options.no_llamacpp else fa,
-                             memory=not options.no_memory and bool(spec.batch),
-                             compiled=tuple(options.compiled or ()))
+                             transformers=not options.no_transformers,
+                             llamacpp=() if options.no_llamacpp or not cpu else fa,
+                             memory=not options.no_memory and bool(spec.batch) and cpu,
+                             compiled=tuple(options.compiled or ()), device=options.device, dtype=options.dtype)
+
+    def attnkit_names(self) -> dict[str, str]:
+        """attnkit's contenders, name -> weight form: ``attnkit-<form>`` on the CPU (activations float32),
+        ``attnkit-<dtype>`` on CUDA (plain weights in that dtype); ``-compiled`` marks the compiled step."""
+        label = {form: form if self.on_cpu else self.dtype for form in (*self.forms, *self.compiled)}
+        return {**{f"attnkit-{label[f]}": f for f in self.forms},
+                **{f"attnkit-{label[f]}{COMPILED}": f for f in self.compiled}}
 
     def names(self, llamacpp_installed: bool) -> list[str]:
         """The contenders of this run, in order."""
-        names = [f"attnkit-{form}" for form in self.forms] + [f"attnkit-{form}{COMPILED}" for form in self.compiled]
-        names += ["transformers-float32"] if self.transformers else []
+        names = [*self.attnkit_names()] + ([f"transformers-{self.dtype}"] if self.transformers else [])
         return names + ([FLASH_ATTN[fa] for fa in self.llamacpp] if llamacpp_installed else [])
+
+
+def device_type(device: str) -> str:
+    """"cpu" or "cuda" for a device name ("cuda:1" too); a ValueError naming any other."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got device={device!r}") from err
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"the generate suite runs on 'cpu' or 'cuda' (or 'cuda:N'), got device={device!r}")
+    return kind
+
+
+def _sync(device: str) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs asynchronously): before every clock read."""
+    if device_type(device) == "cuda":
+        torch.cuda.synchronize(torch.device(device))
 
 
 def prompt_ids(tokenizer: Any, length: int, offset: int = 0) -> list[int]:
@@ -310,39 +387,53 @@ class Contender(Protocol):
         ...
 
 
+def token_ids(rows: Sequence[Sequence[int]], device: str) -> torch.Tensor:
+    """Prompts of equal length as a (B, T) long tensor, made on ``device``."""
+    return torch.tensor([list(row) for row in rows], dtype=torch.long, device=device)  # (B, T)
+
+
 @dataclass
 class Attnkit:
-    """attnkit's generation loop (:mod:`attnkit.models.generation`) on a loaded model."""
+    """attnkit's generation loop (:mod:`attnkit.models.generation`) on a loaded model (on ``device``)."""
 
     model: Any
     compile: bool = False  # the compiled decoding step
+    device: str = "cpu"
 
     def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
         from attnkit.models.generation import generate_steps
 
+        _sync(self.device)
         start = time.perf_counter()
-        steps = generate_steps(self.model, torch.tensor([list(ids)]), max_new_tokens=new_tokens, stop_ids=[],
+        steps = generate_steps(self.model, token_ids([ids], self.device), max_new_tokens=new_tokens, stop_ids=[],
                                compile=self.compile)  # (1, T)
         next(steps)
+        _sync(self.device)
         first = time.perf_counter()
         for _ in steps:
             pass
+        _sync(self.device)
         return first - start, time.perf_counter() - first
 
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
-        ids = torch.tensor([list(p) for p in prompts])  # (B, T)
+        ids = token_ids(prompts, self.device)  # (B, T)
+        _sync(self.device)
         start = time.perf_counter()
         self.model.generate(ids, torch.ones_like(ids), max_new_tokens=new_tokens, stop_ids=[], compile=self.compile)
+        _sync(self.device)
         return time.perf_counter() - start
 
 
 class _Clock:
-    """A transformers streamer that notes when each ``put`` comes: the prompt first, then every new token."""
+    """A transformers streamer that notes when each ``put`` comes: the prompt first, then every new token
+    (each once ``device`` has finished the work queued before it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self.times: list[float] = []
+        self.device = device
 
     def put(self, _: object) -> None:
+        _sync(self.device)
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
@@ -351,10 +442,11 @@ class _Clock:
 
 @dataclass
 class Transformers:
-    """transformers' ``generate`` (greedy, exactly ``new_tokens`` new tokens)."""
+    """transformers' ``generate`` (greedy, exactly ``new_tokens`` new tokens), its model on ``device``."""
 
     model: Any
     pad_id: int = 2
+    device: str = "cpu"
 
     def _generate(self, ids: torch.Tensor, new_tokens: int, streamer: _Clock | None = None) -> None:
         with torch.inference_mode():
@@ -362,49 +454,63 @@ class Transformers:
                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=streamer)
 
     def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
-        clock = _Clock()
+        clock = _Clock(self.device)
+        _sync(self.device)
         start = time.perf_counter()
-        self._generate(torch.tensor([list(ids)]), new_tokens, clock)  # (1, T)
+        self._generate(token_ids([ids], self.device), new_tokens, clock)  # (1, T)
         if len(clock.times) != new_tokens + 1:
             raise RuntimeError(f"transformers streamed {len(clock.times) - 1} tokens, expected {new_tokens}")
         return clock.times[1] - start, clock.times[-1] - clock.times[1]
 
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        _sync(self.device)
         start = time.perf_counter()
-        self._generate(torch.tensor([list(p) for p in prompts]), new_tokens)  # (B, T)
+        self._generate(token_ids(prompts, self.device), new_tokens)  # (B, T)
+        _sync(self.device)
         return time.perf_counter() - start
 
 
-def load_transformers(model: str = "smollm2") -> Any:
-    """transformers' model (LlamaForCausalLM, Gemma3ForCausalLM) from the same GGUF file, in float32."""
+def load_transformers(model: str = "smollm2", device: str = "cpu", dtype: str = "float32") -> Any:
+    """transformers' model (LlamaForCausalLM, Gemma3ForCausalLM) from the same GGUF file, in ``dtype`` on
+    ``device``."""
     transformers = require("transformers", "The generate benchmark's transformers contender")
     path = MODELS[model].path()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=getattr(torch, dtype))
+    return (loaded if device_type(device) == "cpu" else loaded.to(device)).eval()
 
 
-def _load(model: str, name: str, context: int, threads: int) -> Contender:
-    """A contender by name, on ``model``; llama.cpp with ``context`` positions."""
-    spec = MODELS[model]
+def _load(model: str, name: str, context: int, threads: int, device: str = "cpu", dtype: str = "float32") -> Contender:
+    """A contender by name, on ``model``: attnkit and transformers on ``device`` (in ``dtype`` there: on CUDA an
+    attnkit name gives the dtype, the weights being plain); llama.cpp with ``context`` positions."""
+    spec, cpu = MODELS[model], device_type(device) == "cpu"
     if name.startswith("attnkit-"):
-        form = name.removeprefix("attnkit-").removesuffix(COMPILED)
-        return Attnkit(spec.load(form), compile=name.endswith(COMPILED))
-    if name == "transformers-float32":
-        return Transformers(load_transformers(model), pad_id=spec.pad_id)
+        form = name.removeprefix("attnkit-").removesuffix(COMPILED) if cpu else PLAIN
+        with warnings.catch_warnings():
+            if not cpu:  # built on the CPU to run on the GPU: the CPU's bfloat16 speed does not matter
+                warnings.simplefilter("ignore", SlowDtypeWarning)
+            loaded = spec.load(form, getattr(torch, dtype))
+        return Attnkit(loaded if cpu else loaded.to(device), compile=name.endswith(COMPILED), device=device)
+    if name.startswith("transformers-"):
+        return Transformers(load_transformers(model, device, dtype), pad_id=spec.pad_id, device=device)
     return llamacpp.LlamaCpp(spec.path(), threads=threads, context=context, flash_attn=name == FLASH_ATTN["on"])
 
 
 def decode_bound_seconds(model: Any, repeats: int = 5) -> float:
-    """Median seconds of one float32 matrix-vector product with every weight matrix (the head included)."""
+    """Median seconds of one matrix-vector product with every weight matrix (the head included), in the
+    weights' dtype on their device."""
     # every matrix as (out, in) rows, the layout F.linear uses (attnkit keeps some transposed, which reads faster)
     mats = [(p.t() if n.endswith("weight_t") else p).contiguous() for n, p in model.named_parameters() if p.dim() == 2]
-    vecs = [torch.randn(1, m.shape[1], dtype=m.dtype) for m in mats]
+    vecs = [torch.randn(1, m.shape[1], dtype=m.dtype, device=m.device) for m in mats]
+    device = str(mats[0].device)
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
+            _sync(device)
             start = time.perf_counter()
             for m, v in zip(mats, vecs, strict=True):
                 torch.nn.functional.linear(v, m)  # (1, in) -> (1, out)
+            _sync(device)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -427,12 +533,18 @@ def _compiled(contender: Contender) -> bool:
     return isinstance(contender, Attnkit) and contender.compile
 
 
+def _warm_on_case(contender: Contender, suite: GenerateSuite) -> bool:
+    """Whether the warm-up runs the case itself: for the compiled step, and on a GPU (where the first call at a
+    size grows the allocator's pool), at the cost of one more run; else a short run."""
+    return _compiled(contender) or not suite.on_cpu
+
+
 def _single_rows(contenders: dict[str, Contender], ids: list[int], suite: GenerateSuite,
                  say: Callable[[str], None]) -> list[Row]:
     """Batch 1 at one context length: median time to first token, prefill and decode tokens/s."""
     n, t = suite.new_tokens, len(ids)
-    for contender in contenders.values():  # warm-up: one short run each (compiled: the case, compiling its graph)
-        contender.single(*((ids, n) if _compiled(contender) else (ids[:8], 2)))
+    for contender in contenders.values():  # warm-up: one short run each (compiled, GPU: the case)
+        contender.single(*((ids, n) if _warm_on_case(contender, suite) else (ids[:8], 2)))
     runs = _rounds(contenders, lambda c: c.single(ids, n), suite.repeats, say, f"batch 1, T={t}")
     return [{"kind": "batch 1", "contender": name, "context": t, "new_tokens": n,
              "ttft_s": round(statistics.median(first for first, _ in results), 4),
@@ -446,7 +558,7 @@ def _batch_rows(contenders: dict[str, Contender], prompts: list[list[int]], suit
     """The batched case: median aggregate new tokens/s (llama.cpp serving the prompts one after another)."""
     b, n = len(prompts), suite.new_tokens
     for contender in contenders.values():
-        contender.batch(*((prompts, n) if _compiled(contender) else ([p[:8] for p in prompts], 2)))
+        contender.batch(*((prompts, n) if _warm_on_case(contender, suite) else ([p[:8] for p in prompts], 2)))
     runs = _rounds(contenders, lambda c: c.batch(prompts, n), suite.repeats, say, f"batch {b}")
     return [{"kind": "batched", "contender": name, "batch": b, "prompt_len": len(prompts[0]), "new_tokens": n,
              "how": "one after another" if name.startswith("llama.cpp") else "batched",
@@ -488,17 +600,24 @@ def _process_rows(names: list[str], tokenizer: Any, suite: GenerateSuite, say: C
 
 
 def _env_row(suite: GenerateSuite, llama_missing: str | None) -> Row:
-    """What the run ran on: threads, versions, the CPU (name and capability) and llama.cpp's build."""
+    """What the run ran on: device and dtype (a GPU's name, CUDA's version), threads, versions, the CPU (name
+    and capability), attnkit's default form there and llama.cpp's build."""
     try:
         import transformers
 
         hf_version = transformers.__version__
     except ImportError:
         hf_version = "not installed"
-    return {"kind": "env", "model": suite.model, "threads": suite.threads, "torch": torch.__version__,
-            **cpu_record(), "default_form": suite.spec.default_form(), "forms": ",".join(suite.forms),
+    where: Row = {"device": suite.device, "dtype": suite.dtype}
+    if suite.on_cpu:
+        where["default_form"] = suite.spec.default_form()
+    else:
+        where |= {"gpu": torch.cuda.get_device_name(torch.device(suite.device)), "cuda": torch.version.cuda}
+    return {"kind": "env", "model": suite.model, **where, "threads": suite.threads, "torch": torch.__version__,
+            **cpu_record(), "forms": ",".join(suite.forms),
             "new_tokens": suite.new_tokens, "repeats": suite.repeats, "transformers": hf_version,
-            "llama_cpp": llamacpp.version() if llama_missing is None else "not installed",
+            "llama_cpp": ("not run off the CPU" if not suite.on_cpu else
+                          "not installed" if llama_missing is not None else llamacpp.version()),
             "cpu_count": os.cpu_count(), "load_average_start": _load_average()}
 
 
@@ -533,8 +652,12 @@ def _tokenizer(spec: BenchModel) -> tuple[Any, int]:
 
 def run_generate_suite(suite: GenerateSuite | None = None, log: Callable[[str], None] | None = None) -> list[Row]:
     """The suite's rows (dicts, each with a "kind"): env, skipped contenders, the bound, batch 1, batched,
-    load and memory, and the targets they decide."""
+    load and memory, and the targets they decide. A CUDA device is checked first (a clear error without one)."""
     suite = suite or GenerateSuite()
+    if not suite.on_cpu:
+        from .command import check_device
+
+        check_device(suite.device)
     threads = torch.get_num_threads()
     torch.set_num_threads(suite.threads)
     try:
@@ -545,14 +668,16 @@ def run_generate_suite(suite: GenerateSuite | None = None, log: Callable[[str], 
 
 def _timed_rows(names: list[str], tokenizer: Any, context: int, suite: GenerateSuite,
                 say: Callable[[str], None]) -> list[Row]:
-    """Every contender loaded in this process: the bound (float32), the batch-1 and the batched cases."""
-    say(f"loading {', '.join(names)}")
-    contenders = {name: _load(suite.model, name, context, suite.threads) for name in names}
+    """Every contender loaded in this process: the bound (plain weights in the suite's dtype), the batch-1 and
+    the batched cases."""
+    say(f"loading {', '.join(names)} on {suite.device}")
+    contenders = {name: _load(suite.model, name, context, suite.threads, suite.device, suite.dtype)
+                  for name in names}
     rows: list[Row] = []
-    float32 = contenders.get("attnkit-float32")
-    if isinstance(float32, Attnkit):
-        bound = decode_bound_seconds(float32.model)
-        rows.append({"kind": "bound", "weights": "float32", "seconds_per_pass": bound,
+    plain = contenders.get(f"attnkit-{PLAIN if suite.on_cpu else suite.dtype}")
+    if isinstance(plain, Attnkit):
+        bound = decode_bound_seconds(plain.model)
+        rows.append({"kind": "bound", "weights": suite.dtype, "seconds_per_pass": bound,
                      "decode_tokens_per_s": 1 / bound})
     try:
         for length in suite.lengths:
@@ -567,9 +692,18 @@ def _timed_rows(names: list[str], tokenizer: Any, context: int, suite: GenerateS
     return rows
 
 
+def _cpu_only_rows(suite: GenerateSuite) -> list[Row]:
+    """On a GPU: what the suite measures on the CPU only, skipped, each saying why."""
+    where = f"--device {suite.device}"
+    return [{"kind": "skipped", "contender": "llama.cpp",
+             "reason": f"llama.cpp runs on the CPU here, not timed with {where} (run --device cpu)"},
+            {"kind": "note", "text": f"load time and memory (fresh processes, resident memory): CPU measurements, "
+                                     f"not taken with {where}"}]
+
+
 def _run(suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
     missing = llamacpp.missing_reason() if suite.llamacpp else None
-    rows: list[Row] = [_env_row(suite, missing)]
+    rows: list[Row] = [_env_row(suite, missing)] + ([] if suite.on_cpu else _cpu_only_rows(suite))
     if missing is not None:
         say(missing)
         rows += [{"kind": "skipped", "contender": FLASH_ATTN[fa], "reason": missing} for fa in suite.llamacpp]
@@ -586,7 +720,15 @@ def _run(suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
     if suite.memory:  # a compiled contender loads as its form does
         rows += _process_rows([n for n in names if not n.endswith(COMPILED)], tokenizer, suite, say)
     rows[0]["load_average_end"] = _load_average()
-    return rows + suite.spec.targets(rows)
+    return rows + _targets(suite, rows)
+
+
+def _targets(suite: GenerateSuite, rows: list[Row]) -> list[Row]:
+    """The model's targets decided from ``rows``; on a GPU a note instead (they are set for the CPU)."""
+    if suite.on_cpu:
+        return suite.spec.targets(rows)
+    return [{"kind": "note", "text": f"targets: not judged on {suite.device}; {suite.spec.title}'s targets compare "
+             "attnkit's CPU weight forms with llama.cpp (run --device cpu)"}]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -158,7 +158,8 @@ def plot(rows: Sequence[Row], out_dir: Any) -> list[Path]:
     colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
     contexts = sorted({r["context"] for r in one})
     env = next((r for r in rows if r["kind"] == "env"), {})
-    threads, model = env.get("threads", "?"), f"{env['model']}, " if "model" in env else ""
+    model = f"{env['model']}, " if "model" in env else ""
+    where = f"{env['gpu']}, {env.get('dtype', '?')}" if "gpu" in env else f"{env.get('threads', '?')} threads"
 
     def per_context(field: str) -> dict[str, list[float]]:
         table = {(r["contender"], r["context"]): r[field] for r in one}
@@ -172,7 +173,7 @@ def plot(rows: Sequence[Row], out_dir: Any) -> list[Path]:
         if one:
             ax = axes.pop(0)
             _bars(ax, [f"T={t}" for t in contexts], per_context("decode_tokens_per_s"), colors)
-            ax.set(ylabel="decode tokens/s", title=f"{model}batch 1 decode, {threads} threads")
+            ax.set(ylabel="decode tokens/s", title=f"{model}batch 1 decode, {where}")
         if batched:
             ax = axes.pop(0)
             _bars(ax, [f"B={batched[0]['batch']}, T={batched[0]['prompt_len']}"],
@@ -185,7 +186,7 @@ def plot(rows: Sequence[Row], out_dir: Any) -> list[Path]:
         ax = fig.subplots()
         _bars(ax, [f"T={t}" for t in contexts], per_context("prefill_tokens_per_s"), colors)
         ax.set(yscale="log", ylabel="prefill tokens/s (prompt / time to first token)",
-               title=f"{model}batch 1 prefill, {threads} threads")
+               title=f"{model}batch 1 prefill, {where}")
         fig.savefig(Path(out_dir) / "prefill.png", dpi=100)
         written.append(Path(out_dir) / "prefill.png")
     return written
