@@ -154,6 +154,24 @@ def test_options_choose_cases_and_contenders():
     suite = GenerateSuite.from_options(Options(suite="generate", forms=["int4"], compiled=["int4"],
                                                no_transformers=True, no_llamacpp=True))
     assert suite.names(llamacpp_installed=True) == ["attnkit-int4", "attnkit-int4-compiled"]
+    suite = GenerateSuite.from_options(Options(suite="generate", forms=["int4"], kv_int8=["int4"],
+                                               no_transformers=True, no_llamacpp=True))
+    assert suite.attnkit_names() == {"attnkit-int4": "int4", "attnkit-int4-kv8": "int4"}
+
+
+def test_an_int8_cache_contender_generates_with_kv_dtype_int8_and_loads_its_form(monkeypatch: pytest.MonkeyPatch):
+    """attnkit-<form>-kv8 loads <form> and passes kv_dtype="int8" to the loop; the plain contender passes None."""
+    import attnkit.models.generation as generation
+    from attnkit.bench import generate
+
+    loaded, calls = [], []
+    monkeypatch.setitem(generate.MODELS, "smollm2", replace(
+        generate.MODELS["smollm2"], load=lambda form, dtype: loaded.append(form) or object()))
+    monkeypatch.setattr(generation, "generate_steps", lambda model, ids, **kw: calls.append(kw) or iter([0, 1]))
+    for name in ("attnkit-int4-kv8", "attnkit-int4"):
+        generate._load("smollm2", name, context=64, threads=1).single([1, 2, 3], 2)
+    assert loaded == ["int4", "int4"]
+    assert [kw["kv_dtype"] for kw in calls] == ["int8", None]
 
 
 def test_a_compiled_contender_runs_the_compiled_step_and_warms_up_on_the_case_itself(
@@ -182,6 +200,10 @@ def test_a_compiled_contender_runs_the_compiled_step_and_warms_up_on_the_case_it
     (Options(suite="generate", threads=0), "threads must be an int >= 1"),
     (Options(suite="generate", compiled=["int5"]), "unknown weight form 'int5'"),
     (Options(suite="generate", forms=["int4"], compiled=["int4", "int4"]), "weight form 'int4' is named twice"),
+    (Options(suite="generate", kv_int8=["int4", "int4"]), "weight form 'int4' is named twice"),
+    (Options(suite="generate", kv_int8=["int5"]), "unknown weight form 'int5'"),
+    (Options(suite="generate", device="cuda", dtype="bfloat16", kv_int8=["float32"]),
+     "the int8 KV cache reads its keys with a CPU kernel: on device 'cuda'"),
     (Options(suite="generate", device="cuda", dtype="bfloat16", forms=["float32", "int4"]),
      "weight form 'int4' is a packed CPU kernel: on device 'cuda' attnkit runs its plain weights in dtype bfloat16 "
      "(forms: float32 only)"),

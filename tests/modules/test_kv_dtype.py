@@ -150,8 +150,8 @@ def test_generation_options_name_what_they_take():
     assert GenerationOptions(kv_dtype="bfloat16").kv_dtype == torch.bfloat16
     assert GenerationOptions(kv_dtype=torch.float16).kv_dtype == torch.float16
     assert GenerationOptions().kv_dtype is None
-    with pytest.raises(ValueError, match=r"kv_dtype must be None .*, got kv_dtype='int8'"):
-        GenerationOptions(kv_dtype="int8")
+    with pytest.raises(ValueError, match=r"kv_dtype must be None .*, got kv_dtype='int4'"):
+        GenerationOptions(kv_dtype="int4")
     with pytest.raises(ValueError, match=r"kv_dtype=torch\.bfloat16 is for the full caches; cache='sink:4,60'"):
         GenerationOptions(kv_dtype="bfloat16", cache="sink:4,60")
 

@@ -58,6 +58,7 @@ class Options:
     out: str = "bench-out"
     forms: list[str] | None = None
     compiled: list[str] | None = None
+    kv_int8: list[str] | None = None
     new_tokens: int = 128
     threads: int = 2
     no_transformers: bool = False
@@ -185,6 +186,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "--dtype)")
     generate.add_argument("--compiled", type=_csv(str), help="weight forms to run also with the compiled "
                           "decoding step (generate(compile=True)), e.g. int4; compiled in the warm-up rounds")
+    generate.add_argument("--kv-int8", type=_csv(str), help="weight forms to run also over the int8 KV cache "
+                          "(generate(kv_dtype='int8')), e.g. int4; CPU only")
     generate.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     generate.add_argument("--threads", type=int, default=2, help="threads of every contender (default 2)")
     generate.add_argument("--no-transformers", action="store_true", help="leave transformers out")

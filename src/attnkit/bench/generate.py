@@ -186,6 +186,7 @@ MODELS: dict[str, BenchModel] = {
 
 
 COMPILED = "-compiled"  # the suffix of a contender running the compiled decoding step
+KV8 = "-kv8"  # the suffix of a contender decoding over the int8 KV cache (generate(kv_dtype="int8"))
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,8 @@ class GenerateSuite:
         memory: measure load time and memory, in a fresh process per contender (CPU only).
         compiled: weight forms also run with the compiled decoding step (``generate(compile=True)``), each a
             contender ``attnkit-<form>-compiled`` (its compilation falls in the warm-up rounds).
+        kv_int8: weight forms also run over the int8 KV cache (``generate(kv_dtype="int8")``,
+            :mod:`attnkit.modules.int8_cache`), each a contender ``attnkit-<form>-kv8`` (CPU only).
         device: "cpu", or "cuda" / "cuda:N": attnkit and transformers on that GPU.
         dtype: the activation dtype: "float32" on the CPU (the weight forms choose the rest); on CUDA one of
             :data:`GPU_DTYPES`.
@@ -224,6 +227,7 @@ class GenerateSuite:
     llamacpp: tuple[str, ...] = ("off", "on")
     memory: bool = True
     compiled: tuple[str, ...] = ()
+    kv_int8: tuple[str, ...] = ()
     device: str = "cpu"
     dtype: str = "float32"
 
@@ -248,15 +252,16 @@ class GenerateSuite:
 
     def _check_forms(self) -> None:
         """Known forms, each named once, fitting the device; on the CPU each one this PyTorch runs."""
-        unknown = [f for f in (*self.forms, *self.compiled) if f not in WEIGHT_FORMS]
+        unknown = [f for f in (*self.forms, *self.compiled, *self.kv_int8) if f not in WEIGHT_FORMS]
         if unknown:
             raise ValueError(f"unknown weight form {unknown[0]!r}; known: {', '.join(WEIGHT_FORMS)}")
-        twice = sorted({f for f in self.compiled if self.compiled.count(f) > 1} | {
-            f for f in self.forms if self.forms.count(f) > 1})
+        twice = sorted({f for group in (self.forms, self.compiled, self.kv_int8) for f in group if group.count(f) > 1})
         if twice:
-            raise ValueError(f"weight form {twice[0]!r} is named twice (--forms, --compiled): once each")
+            raise ValueError(f"weight form {twice[0]!r} is named twice in one of --forms, --compiled, --kv-int8: "
+                             "once each")
         self._check_device()
-        missing = [f for f in (*self.forms, *self.compiled) if f not in available_forms()] if self.on_cpu else []
+        named = (*self.forms, *self.compiled, *self.kv_int8)
+        missing = [f for f in named if f not in available_forms()] if self.on_cpu else []
         if missing:
             raise ValueError(f"weight form {missing[0]!r} does not run on this CPU's PyTorch (it needs the fbgemm "
                              f"engine); available here: {', '.join(available_forms())}")
@@ -271,6 +276,9 @@ class GenerateSuite:
         if self.dtype not in GPU_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(GPU_DTYPES)} on device {self.device!r}, got "
                              f"dtype={self.dtype!r}")
+        if self.kv_int8:
+            raise ValueError(f"the int8 KV cache reads its keys with a CPU kernel: on device {self.device!r} leave "
+                             f"kv_int8 (--kv-int8) out, got {self.kv_int8}")
         packed = [f for f in (*self.forms, *self.compiled) if f != PLAIN]
         if packed:
             raise ValueError(f"weight form {packed[0]!r} is a packed CPU kernel: on device {self.device!r} attnkit "
@@ -332,14 +340,17 @@ class GenerateSuite:
                              transformers=not options.no_transformers,
                              llamacpp=() if options.no_llamacpp or not cpu else fa,
                              memory=not options.no_memory and bool(spec.batch) and cpu,
-                             compiled=tuple(options.compiled or ()), device=options.device, dtype=options.dtype)
+                             compiled=tuple(options.compiled or ()), kv_int8=tuple(options.kv_int8 or ()),
+                             device=options.device, dtype=options.dtype)
 
     def attnkit_names(self) -> dict[str, str]:
         """attnkit's contenders, name -> weight form: ``attnkit-<form>`` on the CPU (activations float32),
-        ``attnkit-<dtype>`` on CUDA (plain weights in that dtype); ``-compiled`` marks the compiled step."""
+        ``attnkit-<dtype>`` on CUDA (plain weights in that dtype); ``-compiled`` marks the compiled step,
+        ``-kv8`` the int8 KV cache."""
         label = {form: form if self.on_cpu else self.dtype for form in (*self.forms, *self.compiled)}
         return {**{f"attnkit-{label[f]}": f for f in self.forms},
-                **{f"attnkit-{label[f]}{COMPILED}": f for f in self.compiled}}
+                **{f"attnkit-{label[f]}{COMPILED}": f for f in self.compiled},
+                **{f"attnkit-{f}{KV8}": f for f in self.kv_int8}}
 
     def names(self, llamacpp_installed: bool) -> list[str]:
         """The contenders of this run, in order."""
@@ -399,6 +410,7 @@ class Attnkit:
     model: Any
     compile: bool = False  # the compiled decoding step
     device: str = "cpu"
+    kv_dtype: str | None = None  # the KV cache's storage (generate's kv_dtype)
 
     def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
         from attnkit.models.generation import generate_steps
@@ -406,7 +418,7 @@ class Attnkit:
         _sync(self.device)
         start = time.perf_counter()
         steps = generate_steps(self.model, token_ids([ids], self.device), max_new_tokens=new_tokens, stop_ids=[],
-                               compile=self.compile)  # (1, T)
+                               compile=self.compile, kv_dtype=self.kv_dtype)  # (1, T)
         next(steps)
         _sync(self.device)
         first = time.perf_counter()
@@ -419,7 +431,8 @@ class Attnkit:
         ids = token_ids(prompts, self.device)  # (B, T)
         _sync(self.device)
         start = time.perf_counter()
-        self.model.generate(ids, torch.ones_like(ids), max_new_tokens=new_tokens, stop_ids=[], compile=self.compile)
+        self.model.generate(ids, torch.ones_like(ids), max_new_tokens=new_tokens, stop_ids=[], compile=self.compile,
+                            kv_dtype=self.kv_dtype)
         _sync(self.device)
         return time.perf_counter() - start
 
@@ -485,12 +498,13 @@ def _load(model: str, name: str, context: int, threads: int, device: str = "cpu"
     attnkit name gives the dtype, the weights being plain); llama.cpp with ``context`` positions."""
     spec, cpu = MODELS[model], device_type(device) == "cpu"
     if name.startswith("attnkit-"):
-        form = name.removeprefix("attnkit-").removesuffix(COMPILED) if cpu else PLAIN
+        form = name.removeprefix("attnkit-").removesuffix(COMPILED).removesuffix(KV8) if cpu else PLAIN
         with warnings.catch_warnings():
             if not cpu:  # built on the CPU to run on the GPU: the CPU's bfloat16 speed does not matter
                 warnings.simplefilter("ignore", SlowDtypeWarning)
             loaded = spec.load(form, getattr(torch, dtype))
-        return Attnkit(loaded if cpu else loaded.to(device), compile=name.endswith(COMPILED), device=device)
+        return Attnkit(loaded if cpu else loaded.to(device), compile=name.endswith(COMPILED), device=device,
+                       kv_dtype="int8" if name.endswith(KV8) else None)
     if name.startswith("transformers-"):
         return Transformers(load_transformers(model, device, dtype), pad_id=spec.pad_id, device=device)
     return llamacpp.LlamaCpp(spec.path(), threads=threads, context=context, flash_attn=name == FLASH_ATTN["on"])
@@ -717,8 +731,8 @@ def _run(suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
     context = _context_for(suite, context_length)
     if suite.lengths or suite.batch:
         rows += _timed_rows(names, tokenizer, context, suite, say)
-    if suite.memory:  # a compiled contender loads as its form does
-        rows += _process_rows([n for n in names if not n.endswith(COMPILED)], tokenizer, suite, say)
+    if suite.memory:  # a compiled or int8-cache contender loads as its form does
+        rows += _process_rows([n for n in names if not n.endswith((COMPILED, KV8))], tokenizer, suite, say)
     rows[0]["load_average_end"] = _load_average()
     return rows + _targets(suite, rows)
 

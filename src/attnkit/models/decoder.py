@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit.functional.norm import RMSNorm
-from attnkit.modules import KVCache, StaticKVCache
+from attnkit.modules import Int8KVCache, KVCache, StaticKVCache
 from attnkit.modules.kv_cache import Cache, check_cache, check_positions, transaction
 
 from . import generation
@@ -122,7 +122,13 @@ class DecoderModel(GenerationMixin, nn.Module):
                    dtype: torch.dtype | None = None) -> list[Cache]:
         """One empty cache per layer: a growing :class:`attnkit.KVCache` (up to ``capacity`` positions,
         or unbounded), or with ``static`` a :class:`attnkit.StaticKVCache` of ``capacity`` slots; ``dtype``:
-        the dtype they store keys and values in (None: the model's; bfloat16 / float16: half the bytes)."""
+        the dtype they store keys and values in (None: the model's; bfloat16 / float16: half the bytes;
+        int8: :class:`attnkit.modules.int8_cache.Int8KVCache`, growing only)."""
+        if dtype == torch.int8:
+            if static:
+                raise ValueError("an int8 cache grows (Int8KVCache): there is no static one; use static=False, or "
+                                 "dtype None, bfloat16 or float16 with static=True")
+            return [Int8KVCache(capacity) for _ in self.layers]
         if static:
             if capacity is None:
                 raise ValueError("a static cache needs a capacity (positions 0 .. capacity - 1)")

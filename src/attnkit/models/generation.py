@@ -92,6 +92,10 @@ class GenerationOptions:
             (or their names) under a float32 model: half the bytes per cached
             position, so twice the context fits; attention reads float32
             copies of the rounded keys and values (not faster: BENCHMARKS.md).
+            ``"int8"`` (:class:`attnkit.modules.int8_cache.Int8KVCache`): a
+            quarter of the bytes, and decoding reads them with an int8
+            kernel (faster at long contexts, slower at short ones; 96.1% of
+            SmolLM2's greedy choices: opt-in; not with ``compile``).
     """
 
     max_new_tokens: int = 128
@@ -118,6 +122,9 @@ class GenerationOptions:
         if self.sink is not None and self.kv_dtype is not None:
             raise ValueError(f"kv_dtype={self.kv_dtype} is for the full caches; cache={self.cache!r} keeps its "
                              "window in the model's dtype: use one or the other")
+        if self.kv_dtype is torch.int8 and self.compile:
+            raise ValueError("compile=True runs over static caches, and kv_dtype='int8' is a growing cache "
+                             "(Int8KVCache): use one or the other")
         if self.sink is not None and self.compile:
             raise ValueError(f"compile=True runs over static caches, and cache={self.cache!r} is not one (its "
                              "evictions change the shapes): use one or the other")
@@ -152,17 +159,22 @@ class GenerationStats:
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
-_KV_NAMES = ("bfloat16", "float16")  # the storage dtypes kv_dtype may name
+_KV_NAMES = ("bfloat16", "float16", "int8")  # the storage dtypes kv_dtype may name
 
 
 def kv_storage(kv_dtype: object) -> torch.dtype | None:
-    """A cache storage dtype from a dtype or its name ("bfloat16", "float16"); None = the model's own."""
+    """A cache storage dtype from a dtype or its name ("bfloat16", "float16", "int8"); None = the model's own.
+
+    int8 is :class:`attnkit.modules.int8_cache.Int8KVCache` (codes and scales, read by an int8 kernel).
+    """
     named = getattr(torch, kv_dtype, None) if isinstance(kv_dtype, str) and kv_dtype in _KV_NAMES else kv_dtype
+    if named is torch.int8:
+        return torch.int8
     try:
         return check_storage_dtype(named)
     except ValueError:
-        raise ValueError(f"kv_dtype must be None (the model's dtype), 'bfloat16' or 'float16' (or the torch dtype), "
-                         f"got kv_dtype={kv_dtype!r}") from None
+        raise ValueError(f"kv_dtype must be None (the model's dtype), 'bfloat16', 'float16' or 'int8' (or the torch "
+                         f"dtype), got kv_dtype={kv_dtype!r}") from None
 
 
 def check_input_ids(model: CausalLM, input_ids: object) -> Tensor:

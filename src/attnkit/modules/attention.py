@@ -16,7 +16,8 @@ from attnkit.functional import RotaryEmbedding, position_mask
 from attnkit.functional.modifiers import MaskMod, ScoreMod, and_masks, modifier_name
 
 from .heads import AttentionHeads, Heads, Modifiers, factory_kwargs
-from .kv_cache import Cache, CachedKeys, check_cache, check_positions, transaction
+from .int8_cache import Int8Keys
+from .kv_cache import Cache, CachedKeys, PackedKeys, check_cache, check_positions, transaction
 
 
 def _make_rope(rope: bool | RotaryEmbedding, head_dim: int) -> RotaryEmbedding | None:
@@ -266,7 +267,7 @@ class MultiHeadAttention(AttentionHeads):
             return self.rope(q, k, offset=positions)
         return self.rope(q, k, positions=positions)  # each row at its own positions
 
-    def _attend(self, q: Tensor, keys: CachedKeys, positions: int | Tensor, key_mask: Tensor | None,
+    def _attend(self, q: Tensor, keys: CachedKeys | PackedKeys, positions: int | Tensor, key_mask: Tensor | None,
                 attn_mask: Tensor | None, need_weights: bool, mods: Modifiers | None
                 ) -> Tensor | tuple[Tensor, Tensor]:
         """Attention over what the cache handed back; the band from positions when they are explicit.
@@ -279,7 +280,14 @@ class MultiHeadAttention(AttentionHeads):
         positions, where finding them would synchronise). With modifiers,
         every key stays (they read positions) and explicit positions go to
         :func:`attnkit.attention` itself, which aligns the band by them.
+        Keys a cache holds packed are read by its own kernel where it serves
+        the call (:class:`~attnkit.modules.int8_cache.Int8Keys`), else dequantised.
         """
+        if isinstance(keys, Int8Keys) and self._reads_int8(q, keys, key_mask, attn_mask, need_weights, mods):
+            visible = self._visible(q, keys, positions, key_mask)  # (B, 1, T, S) or None
+            return self.merge(keys.attention(q, self.scale, visible).to(q.dtype))  # (B, H, T, D) -> (B, T, d_out)
+        if not isinstance(keys, CachedKeys):
+            keys = keys.dequantized(q.dtype)
         if not isinstance(self.backend, str):
             return self.attend_with(self.backend, q, keys.k, keys.v, key_mask=key_mask, modifiers=mods)
         b, _, t, _ = q.shape
@@ -306,6 +314,28 @@ class MultiHeadAttention(AttentionHeads):
             k, v, band, key_mask = k[:, :, first:], v[:, :, first:], band[..., first:], _keys_from(key_mask, first)
         return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights, band=band,
                            modifiers=mods)
+
+    def _reads_int8(self, q: Tensor, keys: Int8Keys, key_mask: Tensor | None, attn_mask: Tensor | None,
+                    need_weights: bool, mods: Modifiers | None) -> bool:
+        """Whether the int8 kernels serve this call: a backend by name, nothing but positions, a window and
+        padding to apply, and a call the kernels are made for (:meth:`Int8Keys.reads_directly`)."""
+        plain_keys = key_mask is None or (isinstance(key_mask, Tensor) and key_mask.dtype == torch.bool
+                                          and key_mask.shape == (q.shape[0], keys.length))
+        return (isinstance(self.backend, str) and mods is None and attn_mask is None and not need_weights
+                and plain_keys and not (self.training and self.dropout > 0) and keys.reads_directly(q))
+
+    def _visible(self, q: Tensor, keys: Int8Keys, positions: int | Tensor, key_mask: Tensor | None) -> Tensor | None:
+        """Which held key each query may see, bool (B, 1, T, S), from the band and padding; None: every key."""
+        b, _, t, _ = q.shape
+        s = keys.length
+        prefix = keys.positions is None and not isinstance(positions, Tensor)
+        if prefix and key_mask is None and self.window is None and (t == 1 or not self.causal):
+            return None  # the last query of a plain prefix sees every key
+        q_pos = positions if isinstance(positions, Tensor) else (positions + torch.arange(t, device=q.device)).expand(
+            b, t)  # (B, T)
+        k_pos = keys.positions if keys.positions is not None else torch.arange(s, device=q.device).expand(b, s)
+        visible = position_mask(q_pos, k_pos, causal=self.causal, window=self.window)  # (B, 1, T, S)
+        return visible if key_mask is None else visible & key_mask[:, None, None, :]
 
     def torch_problems(self) -> list[str]:
         """What ``torch.nn.MultiheadAttention`` cannot express of this layer (beyond what the converter checks)."""

@@ -14,7 +14,9 @@ their positions, hands them to the cache, and attends over what it gets back.
   at ``positions`` (B, T), or after what is held when None; return a
   :class:`CachedKeys`: the keys and values to attend to (B, G, S, D) and each
   key's position (B, S) (-1: an empty slot no query sees), or None when key j
-  sits at position j of every row.
+  sits at position j of every row. A cache storing a packed form may return
+  :class:`PackedKeys` instead, which the layer dequantises (or reads with its
+  own kernel: :mod:`attnkit.modules.int8_cache`).
 - ``claim(owner) -> checkpoint`` and ``restore(checkpoint)``: the first marks
   the cache as one layer's (another layer writing to it is an error) and
   saves its state; the second undoes everything since. :func:`transaction`
@@ -22,7 +24,8 @@ their positions, hands them to the cache, and attends over what it gets back.
 
 Implementations: :class:`KVCache` (contiguous, growing by doubling),
 :class:`StaticKVCache` (preallocated, slot = position: what ``torch.compile``
-captures), and the paged cache of :mod:`attnkit.serve`.
+captures), :class:`attnkit.modules.int8_cache.Int8KVCache` (int8 codes, read
+by an int8 kernel), and the paged cache of :mod:`attnkit.serve`.
 
 Legend: B batch, G key/value heads, T new positions, S positions held, D head dim.
 """
@@ -51,12 +54,24 @@ class CachedKeys:
 
 
 @runtime_checkable
+class PackedKeys(Protocol):
+    """What a cache storing a packed form hands back: the layer asks for the keys and values dequantised."""
+
+    @property
+    def positions(self) -> Tensor | None:
+        """As :attr:`CachedKeys.positions`."""
+        ...
+
+    def dequantized(self, dtype: torch.dtype) -> CachedKeys: ...
+
+
+@runtime_checkable
 class Cache(Protocol):
     """A KV cache as the layer sees it (see the module docstring)."""
 
     def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor: ...
 
-    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys: ...
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys | PackedKeys: ...
 
     def claim(self, owner: object) -> Any: ...
 
@@ -162,7 +177,64 @@ def _refuse_repeats(last: Tensor, positions: Tensor) -> None:
                          f"but this call starts at {int(first[row])}")
 
 
-class KVCache(_Ownership):
+class GrowingSlots(_Ownership):
+    """What the growing caches share (:class:`KVCache`, :class:`~attnkit.modules.int8_cache.Int8KVCache`):
+    slots 0 .. len - 1 held, and once a call gave explicit positions, each slot's position.
+
+    A subclass sets ``_length``, ``_pos`` ((B, allocated) or None) and ``_top`` ((B,) or None) and calls
+    :meth:`_check_after` before it stores a call's keys and :meth:`_note_positions` after.
+    """
+
+    _length: int
+    _pos: Tensor | None  # (B, allocated) positions once a call gave explicit ones
+    _top: Tensor | None  # (B,) the highest position each row holds, with _pos
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def positions(self) -> Tensor | None:
+        """Each held slot's position (B, S), or None while slot j holds position j."""
+        return None if self._pos is None else self._pos[:, : self._length]
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` slots (to rewind, e.g. after a rejected draft).
+
+        Storage is reused: slots past ``length`` are overwritten by the next update,
+        so views of the held keys and values taken before a crop change with it.
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
+            raise ValueError(f"crop length must be an int in [0, {self._length}], got {length!r}")
+        self._length = length
+        if self._pos is not None:
+            self._top = self._pos[:, :length].amax(dim=1) if length else None
+
+    def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor:
+        """``len(cache)`` while slots are positions; else each row's last position + 1 onwards (B, T)."""
+        if self._pos is None or self._length == 0:
+            return self._length
+        last = self._pos[:, : self._length].amax(dim=1, keepdim=True)  # (B, 1)
+        return last + 1 + torch.arange(length, device=last.device)  # (B, T)
+
+    def _check_after(self, positions: Tensor | None, batch: int, device: torch.device) -> None:
+        """New positions (B, T) must come after every position a row holds."""
+        if positions is not None and self._length:
+            _refuse_repeats(self._top if self._top is not None else torch.full(
+                (batch,), self._length - 1, device=device), positions)
+
+    def _note_positions(self, start: int, end: int, positions: Tensor | None, batch: int,
+                        device: torch.device) -> None:
+        """Record the positions of slots start .. end - 1 (once positions are kept)."""
+        if self._pos is None:
+            return
+        written = torch.arange(start, end, device=device).expand(batch, -1) if positions is None \
+            else positions  # (B, T)
+        self._pos[:, start:end] = written
+        top = written.amax(dim=1)  # (B,)
+        self._top = top if self._top is None else torch.maximum(self._top, top)
+
+
+class KVCache(GrowingSlots):
     """A growing store of keys and values (B, G, S, D) for one layer.
 
     Args:
@@ -200,9 +272,6 @@ class KVCache(_Ownership):
         self._length = 0
         self._owner: int | None = None
 
-    def __len__(self) -> int:
-        return self._length
-
     def __repr__(self) -> str:
         shape = None if self._k is None else (self._k.shape[0], self._k.shape[1], self._length, self._k.shape[3])
         stored = "" if self.dtype is None else f", dtype={self.dtype}"
@@ -217,11 +286,6 @@ class KVCache(_Ownership):
     def values(self) -> Tensor | None:
         """The values held, (B, G, S, Dv), or None before the first append."""
         return None if self._v is None else self._v[:, :, : self._length]
-
-    @property
-    def positions(self) -> Tensor | None:
-        """Each held slot's position (B, S), or None while slot j holds position j."""
-        return None if self._pos is None else self._pos[:, : self._length]
 
     def __getstate__(self) -> dict[str, object]:
         """Copies and pickles belong to no layer yet (the original's layer is not theirs)."""
@@ -249,25 +313,6 @@ class KVCache(_Ownership):
     def restore(self, checkpoint: tuple[Any, ...]) -> None:
         """Go back to the state :meth:`claim` saved (positions past it are forgotten)."""
         self._length, self._owner, self._k, self._v, self._pos, self._top = checkpoint
-
-    def crop(self, length: int) -> None:
-        """Keep only the first ``length`` slots (to rewind, e.g. after a rejected draft).
-
-        Storage is reused: slots past ``length`` are overwritten by the next append,
-        so views taken from :attr:`keys` / :attr:`values` before a crop change with it.
-        """
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
-            raise ValueError(f"crop length must be an int in [0, {self._length}], got {length!r}")
-        self._length = length
-        if self._pos is not None:
-            self._top = self._pos[:, :length].amax(dim=1) if length else None
-
-    def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor:
-        """``len(cache)`` while slots are positions; else each row's last position + 1 onwards (B, T)."""
-        if self._pos is None or self._length == 0:
-            return self._length
-        last = self._pos[:, : self._length].amax(dim=1, keepdim=True)  # (B, 1)
-        return last + 1 + torch.arange(length, device=last.device)  # (B, T)
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
@@ -306,11 +351,11 @@ class KVCache(_Ownership):
 
     def _leave_inference_mode(self) -> None:
         """Storage made under ``torch.inference_mode()`` cannot be written outside it: copy it once."""
-        if torch.compiler.is_compiling() or self._k is None or self._v is None:
+        if torch.compiler.is_compiling() or self._k is None or self._v is None or torch.is_inference_mode_enabled():
             return
-        if self._k.is_inference() and not torch.is_inference_mode_enabled():
-            self._k, self._v = self._k.clone(), self._v.clone()
-            self._pos = None if self._pos is None else self._pos.clone()
+        held = (self._k, self._v, self._pos, self._top)
+        if any(x is not None and x.is_inference() for x in held):  # positions may come later than keys
+            self._k, self._v, self._pos, self._top = (None if x is None else x.clone() for x in held)
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position)."""
@@ -320,20 +365,13 @@ class KVCache(_Ownership):
         if self.capacity is not None and needed > self.capacity:
             raise ValueError(f"KVCache capacity {self.capacity} exceeded: it holds {self._length} "
                              f"positions and {k.shape[2]} more were appended")
-        if positions is not None and self._length:
-            _refuse_repeats(self._top if self._top is not None else torch.full(
-                (k.shape[0],), self._length - 1, device=k.device), positions)
+        self._check_after(positions, k.shape[0], k.device)
         self._reserve(needed, k, v, positions is not None)
         assert self._k is not None and self._v is not None  # _reserve allocated them
         start, self._length = self._length, needed
         self._k[:, :, start:needed] = k.detach()
         self._v[:, :, start:needed] = v.detach()
-        if self._pos is not None:
-            written = torch.arange(start, needed, device=k.device).expand(k.shape[0], -1) if positions is None \
-                else positions  # (B, T)
-            self._pos[:, start:needed] = written
-            top = written.amax(dim=1)  # (B,)
-            self._top = top if self._top is None else torch.maximum(self._top, top)
+        self._note_positions(start, needed, positions, k.shape[0], k.device)
         held = None if self._pos is None else self._pos[:, :needed]  # (B, S)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             # keep autograd's path to this call's keys and values (earlier ones are constants)

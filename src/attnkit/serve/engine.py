@@ -105,6 +105,9 @@ def _pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) ->
     stored = kv_storage(kv_dtype)
     if stored is None:
         return model_dtype
+    if stored is torch.int8:
+        raise ValueError("kv_dtype=int8 is generate()'s Int8KVCache; the paged pool stores None (the model's dtype), "
+                         "bfloat16 or float16")
     if model_dtype != torch.float32:
         raise ValueError(f"kv_dtype={stored} stores a float32 model's keys in fewer bytes; this model computes in "
                          f"{model_dtype}: use kv_dtype=None")
