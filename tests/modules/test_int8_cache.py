@@ -334,8 +334,8 @@ def test_copies_and_pickles_belong_to_no_layer() -> None:
 
 
 def test_a_shallow_copy_does_not_share_storage() -> None:
-    """copy.copy shares the preallocated storage (no __copy__, unlike KVCache): the copy's next update writes
-    into the slot the original's next update uses, so each overwrites the other's keys."""
+    """copy.copy gives an independent cache (as KVCache's does): were the storage shared, the copy's next update
+    would write into the slot the original's next update uses, and each would overwrite the other's keys."""
     layer = _layer(d_in=64, head_dim=16)
     x = torch.randn(2, 6, 64)
     cache = Int8KVCache()
@@ -369,19 +369,70 @@ def test_a_cache_filled_under_inference_mode_works_outside_it() -> None:
 
 def test_positions_first_given_under_inference_mode_work_outside_it() -> None:
     """A cache filled outside inference mode, then given its first explicit positions inside it, keeps its
-    storage (an ordinary tensor) but makes its positions there: an inference tensor. _leave_inference_mode
-    looks at the key codes only, so the next call outside writes into those positions and raises
-    "Inplace update to inference tensor outside InferenceMode" (KVCache has the same gap)."""
+    storage (an ordinary tensor) but makes its positions there: an inference tensor. Were only the key codes
+    looked at, the next call outside would write into those positions and raise "Inplace update to inference
+    tensor outside InferenceMode"; KVCache is held to the same."""
     layer = _layer()
     x = torch.randn(1, 6, 128)
+    for cache in (Int8KVCache(), KVCache()):
+        with torch.no_grad():
+            layer(x[:, :4], kv_cache=cache)
+        with torch.inference_mode():
+            layer(x[:, 4:5], kv_cache=cache, positions=torch.tensor([[4]]))
+        with torch.no_grad():
+            layer(x[:, 5:6], kv_cache=cache)
+        assert cache.positions is not None and cache.positions.tolist() == [[0, 1, 2, 3, 4, 5]], cache
+
+
+def test_decoding_after_a_crop_ignores_the_codes_left_past_it(kernel_calls: list[tuple[int, ...]]) -> None:
+    """A rejected draft of 8 tokens, cropped: the kernel reads the whole allocation, so the codes the draft left
+    past the held length must get probability 0 (the next step equals a float KVCache's, cropped alike)."""
+    layer = _layer()
+    x, draft = torch.randn(1, 201, 128), torch.randn(1, 8, 128)
+    int8, floats = Int8KVCache(), KVCache()
+    with torch.inference_mode():
+        for cache in (int8, floats):
+            layer(x[:, :200], kv_cache=cache)
+            layer(draft * 50, kv_cache=cache)  # large keys and values, left behind by the crop
+            cache.crop(200)
+        out, expected = (layer(x[:, 200:], kv_cache=cache) for cache in (int8, floats))
+    assert kernel_calls  # the draft and the step went through the kernel
+    torch.testing.assert_close(out, expected, **KERNEL)
+
+
+def test_a_compiled_layer_over_an_int8_cache_equals_eager(fresh_dynamo: None) -> None:
+    """Inductor cannot lower the int8 kernel: under torch.compile the layer reads the dequantised keys."""
+    layer = _layer()
+    x = torch.randn(1, 201, 128)
+    eager_cache, compiled_cache = Int8KVCache(), Int8KVCache()
+    compiled = torch.compile(layer)
+    with torch.no_grad():
+        layer(x[:, :200], kv_cache=eager_cache)
+        compiled(x[:, :200], kv_cache=compiled_cache)
+        torch.testing.assert_close(compiled(x[:, 200:], kv_cache=compiled_cache),
+                                   layer(x[:, 200:], kv_cache=eager_cache), **KERNEL)
+
+
+def test_trace_records_decoding_over_an_int8_cache(kernel_calls: list[tuple[int, ...]]) -> None:
+    """While attnkit.trace watches, the layer takes the dequantised path, which the trace records."""
+    import attnkit
+
+    layer = _layer()
+    x = torch.randn(1, 201, 128)
     cache = Int8KVCache()
     with torch.no_grad():
-        layer(x[:, :4], kv_cache=cache)
-    with torch.inference_mode():
-        layer(x[:, 4:5], kv_cache=cache, positions=torch.tensor([[4]]))
+        layer(x[:, :200], kv_cache=cache)
+        with attnkit.trace(layer) as seen:
+            layer(x[:, 200:], kv_cache=cache)
+    assert len(seen.records) == 1 and not kernel_calls
+
+
+def test_int8_keys_attention_refuses_what_its_kernel_cannot_read() -> None:
+    cache = Int8KVCache()
     with torch.no_grad():
-        layer(x[:, 5:6], kv_cache=cache)
-    assert cache.positions.tolist() == [[0, 1, 2, 3, 4, 5]]
+        keys = cache.update(*_kv(1, 1, 4, d=24), None)
+        with pytest.raises(ValueError, match="head dim that is a multiple of 16, got head dim 24"):
+            keys.attention(torch.randn(1, 1, 1, 24), 1.0, None)
 
 
 # --- attention against float64 -----------------------------------------------------------------------------------

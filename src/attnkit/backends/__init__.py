@@ -66,6 +66,11 @@ def observe(observer: Observer) -> Iterator[None]:
         _OBSERVERS.remove(entry)
 
 
+def observed() -> bool:
+    """Whether an observer (:func:`observe`) watches this thread's attention calls."""
+    return bool(_OBSERVERS) and bool(_active())
+
+
 def _active() -> list[Observer]:
     me = threading.get_ident()
     return [observer for thread, observer in _OBSERVERS if thread == me]

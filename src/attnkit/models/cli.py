@@ -67,7 +67,9 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16", "int8"], default="float32",
                    help="the dtype the KV cache stores keys and values in (with --cache full and float32 compute; "
                    "default float32): bfloat16 or float16 halve its memory, so twice the context fits; int8 "
-                   "quarters it and decodes faster at long contexts (not with --compile)")
+                   "(also under bfloat16 compute) quarters it and decodes faster at long contexts, slower at short "
+                   "ones and on sliding-window layers, keeping fewer of float32's greedy choices (BENCHMARKS.md; "
+                   "not with --compile)")
     p.add_argument("--cache", default="full", metavar="full|sink:SINKS,WINDOW[,CHUNK]",
                    help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
                    "first 4 tokens and a recent window of 1020 (StreamingLLM), in constant memory and with no "

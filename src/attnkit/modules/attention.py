@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from attnkit.backends import observed
 from attnkit.backends.kernel import Kernel, KernelRequest, check_kernel
 from attnkit.backends.modifiers import MASK_ARGS, SCORE_ARGS, check_modifier
 from attnkit.functional import RotaryEmbedding, position_mask
@@ -285,7 +286,7 @@ class MultiHeadAttention(AttentionHeads):
         """
         if isinstance(keys, Int8Keys) and self._reads_int8(q, keys, key_mask, attn_mask, need_weights, mods):
             visible = self._visible(q, keys, positions, key_mask)  # (B, 1, T, S) or None
-            return self.merge(keys.attention(q, self.scale, visible).to(q.dtype))  # (B, H, T, D) -> (B, T, d_out)
+            return self.merge(keys.attention(q, self.scale, visible))  # (B, H, T, D) -> (B, T, d_out)
         if not isinstance(keys, CachedKeys):
             keys = keys.dequantized(q.dtype)
         if not isinstance(self.backend, str):
@@ -322,7 +323,8 @@ class MultiHeadAttention(AttentionHeads):
         plain_keys = key_mask is None or (isinstance(key_mask, Tensor) and key_mask.dtype == torch.bool
                                           and key_mask.shape == (q.shape[0], keys.length))
         return (isinstance(self.backend, str) and mods is None and attn_mask is None and not need_weights
-                and plain_keys and not (self.training and self.dropout > 0) and keys.reads_directly(q))
+                and plain_keys and not (self.training and self.dropout > 0) and not observed()
+                and keys.reads_directly(q))
 
     def _visible(self, q: Tensor, keys: Int8Keys, positions: int | Tensor, key_mask: Tensor | None) -> Tensor | None:
         """Which held key each query may see, bool (B, 1, T, S), from the band and padding; None: every key."""
@@ -333,9 +335,10 @@ class MultiHeadAttention(AttentionHeads):
             return None  # the last query of a plain prefix sees every key
         q_pos = positions if isinstance(positions, Tensor) else (positions + torch.arange(t, device=q.device)).expand(
             b, t)  # (B, T)
-        k_pos = keys.positions if keys.positions is not None else torch.arange(s, device=q.device).expand(b, s)
+        k_pos = keys.positions if keys.positions is not None else torch.arange(s, device=q.device).expand(
+            b, s)  # (B, S)
         visible = position_mask(q_pos, k_pos, causal=self.causal, window=self.window)  # (B, 1, T, S)
-        return visible if key_mask is None else visible & key_mask[:, None, None, :]
+        return visible if key_mask is None else visible & key_mask[:, None, None, :]  # (B, 1, T, S)
 
     def torch_problems(self) -> list[str]:
         """What ``torch.nn.MultiheadAttention`` cannot express of this layer (beyond what the converter checks)."""

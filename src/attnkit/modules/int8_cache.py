@@ -1,7 +1,8 @@
 """A KV cache in int8: a quarter of float32's bytes per position, and decoding that reads only those bytes.
 
     caches = model.new_caches(dtype=torch.int8)       # or generate(..., kv_dtype="int8")
-    out = layer(x_new, kv_cache=Int8KVCache())
+    with torch.inference_mode():
+        out = layer(x_new, kv_cache=cache)            # cache = Int8KVCache(), one per layer
 
 At a long context a decoding step reads every cached key and value once per
 layer, 4 bytes a number in float32. Here each key is stored as int8 codes
@@ -18,8 +19,10 @@ value product reads the whole chunk, with probability 0 past the last key
 
 :meth:`Int8Keys.attention` runs those kernels; the layer calls it for calls
 it can serve (:meth:`Int8Keys.reads_directly`): a backend by name, no
-modifiers or sinks, no ``attn_mask``, no weights asked for, no dropout, and
-few query rows per key/value head (decoding, not a prompt). Masks from
+modifiers or sinks, no ``attn_mask``, no weights asked for, no dropout, no
+trace watching, not under ``torch.compile`` (Inductor cannot lower the
+kernel), and few query rows per key/value head (decoding, a draft, or a
+prompt of up to ``KERNEL_ROWS / R`` tokens). Masks from
 positions, windows and padding (``key_mask`` (B, S)) are applied to its
 scores. Every other call attends over the keys and values dequantised to the
 query's dtype (:meth:`Int8Keys.dequantized`), by the layer's usual path: the
@@ -30,8 +33,10 @@ the kernel takes queries and probabilities in bfloat16 and returns bfloat16
 scores; a query with no visible key gets 0. On SmolLM2 with int4 weights it
 keeps 96.1% of float32's greedy choices (98.4% over a float32 cache), below
 the weight forms' 97% bar: an opt-in, faster from a few thousand cached
-positions and slower below (BENCHMARKS.md, round eight). For inference only:
-a call whose keys need gradients is refused.
+positions and slower below (BENCHMARKS.md, round eight). It reads every held
+key, where a float cache under a sliding window reads only the window: on such
+layers (Gemma 3's local ones) it is slower. For inference only: a call whose
+keys need gradients is refused.
 
 Legend: B batch, G key/value heads, R query heads per key/value head, H = G * R,
 T new positions, S positions held, C positions allocated (>= S), D head dim, Dv
@@ -97,7 +102,8 @@ class Int8Keys:
         (row, head) loop costs less than dequantising (short caches of many rows dequantise)."""
         b, h, t, d = q.shape
         g = self.k_codes.shape[1]
-        return q.device.type == "cpu" and d % 16 == 0 and h // g * t <= KERNEL_ROWS and self.length >= 128 * (b - 1)
+        return (q.device.type == "cpu" and d % 16 == 0 and h // g * t <= KERNEL_ROWS
+                and self.length >= 128 * (b - 1) and not torch.compiler.is_compiling())
 
     def attention(self, q: Tensor, scale: float, visible: Tensor | None) -> Tensor:
         """softmax(q k^T * scale) v over the int8 keys and values: q (B, H, T, D) -> (B, H, T, Dv) in q's dtype.
@@ -106,6 +112,9 @@ class Int8Keys:
         (row, key/value head) at a time; everything between its two calls runs on all of them at once.
         """
         b, h, t, d = q.shape
+        if q.device.type != "cpu" or d % 16:
+            raise ValueError(f"the int8 kernel reads CPU tensors with a head dim that is a multiple of 16, got head "
+                             f"dim {d} on {q.device} (call dequantized() instead)")
         g, s, dv, c = self.k_codes.shape[1], self.length, self.v_codes_t.shape[2], self.v_codes_t.shape[3]
         pairs = [(i, j) for i in range(b) for j in range(g)]
         rows = (q * scale).reshape(b, g, h // g * t, d).to(torch.bfloat16)  # (B, H, T, D) -> (B, G, N, D)
@@ -115,13 +124,13 @@ class Int8Keys:
             p = torch.softmax(scores, dim=-1)  # (B, G, N, S)
         else:
             hidden = ~visible[:, :, None]  # (B, 1, T, S) -> (B, 1, 1, T, S)
-            scores = scores.view(b, g, -1, t, s).masked_fill(hidden, -torch.inf).view(b, g, -1, s)  # (B, G, R, T, S)
+            scores = scores.view(b, g, -1, t, s).masked_fill(hidden, -torch.inf).view(b, g, -1, s)  # (B, G, N, S)
             p = softmax_rows(scores)  # (B, G, N, S), 0 for a query that sees no key
         p = F.pad((p * self.v_scale[:, :, None]).to(torch.bfloat16), (0, c - s))  # (B, G, N, S) -> (B, G, N, C)
         ones = torch.ones(dv, dtype=torch.bfloat16, device=q.device)  # per-output scale: values are scaled per key
         out = torch.stack([torch._weight_int8pack_mm(p[i, j], self.v_codes_t[i, j], ones)
                            for i, j in pairs])  # B * G of (N, C) @ (Dv, C)^T -> (B * G, N, Dv)
-        return out.view(b, g, h // g, t, dv).reshape(b, h, t, dv).to(q.dtype)  # (B, G, R, T, Dv) -> (B, H, T, Dv)
+        return out.view(b, g, h // g, t, dv).reshape(b, h, t, dv).to(q.dtype)  # (B * G, N, Dv) -> (B, H, T, Dv)
 
 
 def _grown(old: Tensor | None, shape: tuple[int, ...], dim: int, like: Tensor, dtype: torch.dtype) -> Tensor:
