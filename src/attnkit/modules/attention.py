@@ -17,7 +17,6 @@ from attnkit.functional import RotaryEmbedding, position_mask
 from attnkit.functional.modifiers import MaskMod, ScoreMod, and_masks, modifier_name
 
 from .heads import AttentionHeads, Heads, Modifiers, factory_kwargs
-from .int8_cache import Int8Keys
 from .kv_cache import Cache, CachedKeys, PackedKeys, check_cache, check_positions, transaction
 
 
@@ -281,13 +280,13 @@ class MultiHeadAttention(AttentionHeads):
         positions, where finding them would synchronise). With modifiers,
         every key stays (they read positions) and explicit positions go to
         :func:`attnkit.attention` itself, which aligns the band by them.
-        Keys a cache holds packed are read by its own kernel where it serves
-        the call (:class:`~attnkit.modules.int8_cache.Int8Keys`), else dequantised.
+        Keys a cache holds packed (:class:`~attnkit.modules.kv_cache.PackedKeys`)
+        are read by the cache's own kernel where it serves the call, else dequantised.
         """
-        if isinstance(keys, Int8Keys) and self._reads_int8(q, keys, key_mask, attn_mask, need_weights, mods):
-            visible = self._visible(q, keys, positions, key_mask)  # (B, 1, T, S) or None
-            return self.merge(keys.attention(q, self.scale, visible))  # (B, H, T, D) -> (B, T, d_out)
         if not isinstance(keys, CachedKeys):
+            if self._reads_packed(q, keys, key_mask, attn_mask, need_weights, mods):
+                visible = self._visible(q, keys, positions, key_mask)  # (B, 1, T, S) or None
+                return self.merge(keys.attention(q, self.scale, visible))  # (B, H, T, D) -> (B, T, d_out)
             keys = keys.dequantized(q.dtype)
         if not isinstance(self.backend, str):
             return self.attend_with(self.backend, q, keys.k, keys.v, key_mask=key_mask, modifiers=mods)
@@ -316,17 +315,18 @@ class MultiHeadAttention(AttentionHeads):
         return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights, band=band,
                            modifiers=mods)
 
-    def _reads_int8(self, q: Tensor, keys: Int8Keys, key_mask: Tensor | None, attn_mask: Tensor | None,
-                    need_weights: bool, mods: Modifiers | None) -> bool:
-        """Whether the int8 kernels serve this call: a backend by name, nothing but positions, a window and
-        padding to apply, and a call the kernels are made for (:meth:`Int8Keys.reads_directly`)."""
+    def _reads_packed(self, q: Tensor, keys: PackedKeys, key_mask: Tensor | None, attn_mask: Tensor | None,
+                      need_weights: bool, mods: Modifiers | None) -> bool:
+        """Whether the cache's kernel serves this call: a backend by name, nothing but positions, a window and
+        padding to apply, no trace watching, and a call its kernel is made for (``keys.reads_directly``)."""
         plain_keys = key_mask is None or (isinstance(key_mask, Tensor) and key_mask.dtype == torch.bool
                                           and key_mask.shape == (q.shape[0], keys.length))
         return (isinstance(self.backend, str) and mods is None and attn_mask is None and not need_weights
                 and plain_keys and not (self.training and self.dropout > 0) and not observed()
                 and keys.reads_directly(q))
 
-    def _visible(self, q: Tensor, keys: Int8Keys, positions: int | Tensor, key_mask: Tensor | None) -> Tensor | None:
+    def _visible(self, q: Tensor, keys: PackedKeys, positions: int | Tensor,
+                 key_mask: Tensor | None) -> Tensor | None:
         """Which held key each query may see, bool (B, 1, T, S), from the band and padding; None: every key."""
         b, _, t, _ = q.shape
         s = keys.length

@@ -55,14 +55,33 @@ class CachedKeys:
 
 @runtime_checkable
 class PackedKeys(Protocol):
-    """What a cache storing a packed form hands back: the layer asks for the keys and values dequantised."""
+    """What a cache storing a packed form hands back (e.g. :class:`attnkit.modules.int8_cache.Int8Keys`).
+
+    The layer has the cache's own kernel attend (:meth:`attention`) to calls that :meth:`reads_directly`
+    says it serves and that need nothing but a visibility mask; for every other call it asks for the keys
+    and values dequantised.
+    """
 
     @property
     def positions(self) -> Tensor | None:
         """As :attr:`CachedKeys.positions`."""
         ...
 
+    @property
+    def length(self) -> int:
+        """S, the positions held."""
+        ...
+
     def dequantized(self, dtype: torch.dtype) -> CachedKeys: ...
+
+    def reads_directly(self, q: Tensor) -> bool:
+        """Whether :meth:`attention` serves queries q (B, H, T, D)."""
+        ...
+
+    def attention(self, q: Tensor, scale: float, visible: Tensor | None) -> Tensor:
+        """softmax(q k^T * scale) v over the held keys: q (B, H, T, D) -> (B, H, T, Dv); ``visible`` bool
+        (B, 1, T, S), True = may attend, or None (every key)."""
+        ...
 
 
 @runtime_checkable
