@@ -302,9 +302,7 @@ class MultiHeadAttention(AttentionHeads):
                 k, v, key_mask = k[:, :, first:], v[:, :, first:], _keys_from(key_mask, first)  # (B, G, S', D)
             return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights,
                                modifiers=mods)
-        q_pos = positions if isinstance(positions, Tensor) else (positions + torch.arange(t, device=q.device)).expand(
-            b, t)  # (B, T)
-        k_pos = keys.positions if keys.positions is not None else torch.arange(s, device=q.device).expand(b, s)
+        q_pos, k_pos = _explicit_positions(q, positions, keys.positions, s)  # (B, T), (B, S)
         if modified:  # the modifiers and the band read the positions themselves
             return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights,
                                modifiers=mods, positions=(q_pos, k_pos))
@@ -328,15 +326,11 @@ class MultiHeadAttention(AttentionHeads):
     def _visible(self, q: Tensor, keys: PackedKeys, positions: int | Tensor,
                  key_mask: Tensor | None) -> Tensor | None:
         """Which held key each query may see, bool (B, 1, T, S), from the band and padding; None: every key."""
-        b, _, t, _ = q.shape
-        s = keys.length
+        t, s = q.shape[2], keys.length
         prefix = keys.positions is None and not isinstance(positions, Tensor)
         if prefix and key_mask is None and self.window is None and (t == 1 or not self.causal):
             return None  # the last query of a plain prefix sees every key
-        q_pos = positions if isinstance(positions, Tensor) else (positions + torch.arange(t, device=q.device)).expand(
-            b, t)  # (B, T)
-        k_pos = keys.positions if keys.positions is not None else torch.arange(s, device=q.device).expand(
-            b, s)  # (B, S)
+        q_pos, k_pos = _explicit_positions(q, positions, keys.positions, s)  # (B, T), (B, S)
         visible = position_mask(q_pos, k_pos, causal=self.causal, window=self.window)  # (B, 1, T, S)
         return visible if key_mask is None else visible & key_mask[:, None, None, :]  # (B, 1, T, S)
 
@@ -363,6 +357,17 @@ def _check_layer_sinks(sinks: object, num_heads: int) -> Tensor:
         raise ValueError(f"sinks must be a floating-point (num_heads,) = ({num_heads},) tensor (an nn.Parameter to "
                          f"learn them), one logit per query head; got {got}")
     return sinks
+
+
+def _explicit_positions(q: Tensor, positions: int | Tensor, key_positions: Tensor | None,
+                        s: int) -> tuple[Tensor, Tensor]:
+    """The queries' positions (B, T) and the keys' (B, S): given, or a plain prefix spelled out (queries from
+    the offset ``positions``, key j at position j)."""
+    b, _, t, _ = q.shape
+    q_pos = positions if isinstance(positions, Tensor) else (positions + torch.arange(t, device=q.device)).expand(
+        b, t)  # (B, T)
+    k_pos = key_positions if key_positions is not None else torch.arange(s, device=q.device).expand(b, s)  # (B, S)
+    return q_pos, k_pos
 
 
 def _keys_from(key_mask: Tensor | None, first: int) -> Tensor | None:

@@ -46,7 +46,6 @@ value head dim, N = R * T query rows per key/value head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,22 +54,11 @@ from torch import Tensor
 from attnkit.backends.math import softmax_rows
 
 from .kv_cache import CachedKeys, GrowingSlots
+from .quantize import quantize_rows
 
 CHUNK = 256  # positions per growth of the storage
 KERNEL_ROWS = 64  # the most query rows per key/value head (N) that the int8 kernels attend for
 ACTIVATIONS = (torch.float32, torch.bfloat16)  # the layer dtypes whose keys this cache takes
-_SMALLEST = 1e-30  # the least scale: an all-zero key or value keeps codes 0, not NaN
-
-
-def quantize_rows(x: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """int8 codes (..., D) and a scale (...) in ``scale_dtype`` with ``codes * scale`` ~ x (..., D).
-
-    The scale is each row's largest magnitude / 127, rounded to ``scale_dtype``
-    before the codes are taken, so ``codes * scale`` is exactly what is read.
-    """
-    scale = (x.detach().abs().amax(dim=-1).float() / 127).clamp_min(_SMALLEST).to(scale_dtype)  # (..., D) -> (...)
-    codes = torch.round(x.detach().float() / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)  # (..., D)
-    return codes, scale
 
 
 @dataclass(frozen=True)
@@ -155,6 +143,7 @@ class Int8KVCache(GrowingSlots):
     """
 
     _kind = "Int8KVCache"
+    _STORAGE = ("_kc", "_ks", "_vt", "_vs", "_pos", "_top")
     dtype = torch.int8
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -178,35 +167,9 @@ class Int8KVCache(GrowingSlots):
         """The keys and values held, dequantised to ``dtype`` (B, G, S, D), or None before the first update."""
         return None if self._kc is None else self._held().dequantized(dtype)
 
-    def __getstate__(self) -> dict[str, object]:
-        """Copies and pickles belong to no layer yet."""
-        return {**self.__dict__, "_owner": None}
-
     def __copy__(self) -> Int8KVCache:
         """An independent cache holding the same positions (storage is copied, never shared)."""
-        twin = Int8KVCache(self.capacity)
-        twin._kc, twin._ks, twin._vt, twin._vs, twin._pos, twin._top = (
-            None if x is None else x.clone() for x in self._storage())
-        twin._length = self._length
-        return twin
-
-    def _storage(self) -> tuple[Any, ...]:
-        return (self._kc, self._ks, self._vt, self._vs, self._pos, self._top)
-
-    def reset(self) -> None:
-        """Forget every position and the layer it belonged to (keeps no storage)."""
-        self._kc = self._ks = self._vt = self._vs = self._pos = self._top = None
-        self._length = 0
-        self._owner = None
-
-    def claim(self, owner: object) -> tuple[Any, ...]:
-        """Mark ``owner`` as this cache's writer (or raise if another layer is); return a checkpoint."""
-        before = self._claim_owner(owner)
-        return (self._length, before, *self._storage())
-
-    def restore(self, checkpoint: tuple[Any, ...]) -> None:
-        """Go back to the state :meth:`claim` saved (positions past it are forgotten)."""
-        self._length, self._owner, self._kc, self._ks, self._vt, self._vs, self._pos, self._top = checkpoint
+        return self._cloned_into(Int8KVCache(self.capacity))
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
@@ -243,14 +206,6 @@ class Int8KVCache(GrowingSlots):
             assert self._kc is not None
             self._pos = torch.arange(self._kc.shape[2], device=k.device).expand(k.shape[0], -1).clone()
             self._top = torch.full((k.shape[0],), self._length - 1, device=k.device) if self._length else None
-
-    def _leave_inference_mode(self) -> None:
-        """Storage made under ``torch.inference_mode()`` cannot be written outside it: copy it once."""
-        if torch.is_inference_mode_enabled():
-            return
-        if any(x is not None and x.is_inference() for x in self._storage()):  # positions may come later than keys
-            self._kc, self._ks, self._vt, self._vs, self._pos, self._top = (
-                None if x is None else x.clone() for x in self._storage())
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> Int8Keys:
         """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position)."""

@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -196,17 +196,63 @@ def _refuse_repeats(last: Tensor, positions: Tensor) -> None:
                          f"but this call starts at {int(first[row])}")
 
 
+G = TypeVar("G", bound="GrowingSlots")
+
+
 class GrowingSlots(_Ownership):
     """What the growing caches share (:class:`KVCache`, :class:`~attnkit.modules.int8_cache.Int8KVCache`):
     slots 0 .. len - 1 held, and once a call gave explicit positions, each slot's position.
 
-    A subclass sets ``_length``, ``_pos`` ((B, allocated) or None) and ``_top`` ((B,) or None) and calls
-    :meth:`_check_after` before it stores a call's keys and :meth:`_note_positions` after.
+    A subclass names the tensors it holds in ``_STORAGE`` (``_pos`` and ``_top`` among them), sets
+    ``_length``, and calls :meth:`_check_after` before it stores a call's keys and :meth:`_note_positions`
+    after; claim / restore / reset / copy and leaving inference mode then work on all of its tensors.
     """
 
+    _STORAGE: tuple[str, ...]  # the attributes holding its tensors (each a Tensor or None)
     _length: int
     _pos: Tensor | None  # (B, allocated) positions once a call gave explicit ones
     _top: Tensor | None  # (B,) the highest position each row holds, with _pos
+
+    def _storage(self) -> tuple[Tensor | None, ...]:
+        return tuple(getattr(self, name) for name in self._STORAGE)
+
+    def _set_storage(self, tensors: Sequence[Tensor | None]) -> None:
+        for name, tensor in zip(self._STORAGE, tensors, strict=True):
+            setattr(self, name, tensor)
+
+    def _cloned_into(self, twin: G) -> G:
+        """``twin`` (a new, empty cache of this kind) holding copies of this cache's tensors and length."""
+        twin._set_storage([None if x is None else x.clone() for x in self._storage()])
+        twin._length = self._length
+        return twin
+
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles belong to no layer yet (the original's layer is not theirs)."""
+        return {**self.__dict__, "_owner": None}
+
+    def reset(self) -> None:
+        """Forget every position and the layer it belonged to (keeps no storage)."""
+        self._set_storage([None] * len(self._STORAGE))
+        self._length = 0
+        self._owner = None
+
+    def claim(self, owner: object) -> tuple[Any, ...]:
+        """Mark ``owner`` as this cache's writer (or raise if another layer is); return a checkpoint."""
+        before = self._claim_owner(owner)
+        return (self._length, before, *self._storage())
+
+    def restore(self, checkpoint: tuple[Any, ...]) -> None:
+        """Go back to the state :meth:`claim` saved (positions past it are forgotten)."""
+        self._length, self._owner, *held = checkpoint
+        self._set_storage(held)
+
+    def _leave_inference_mode(self) -> None:
+        """Storage made under ``torch.inference_mode()`` cannot be written outside it: copy it once."""
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return
+        held = self._storage()
+        if any(x is not None and x.is_inference() for x in held):  # positions may come later than keys
+            self._set_storage([None if x is None else x.clone() for x in held])
 
     def __len__(self) -> int:
         return self._length
@@ -278,6 +324,7 @@ class KVCache(GrowingSlots):
     """
 
     _kind = "KVCache"
+    _STORAGE = ("_k", "_v", "_pos", "_top")
 
     def __init__(self, capacity: int | None = None, *, dtype: torch.dtype | None = None) -> None:
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
@@ -306,32 +353,9 @@ class KVCache(GrowingSlots):
         """The values held, (B, G, S, Dv), or None before the first append."""
         return None if self._v is None else self._v[:, :, : self._length]
 
-    def __getstate__(self) -> dict[str, object]:
-        """Copies and pickles belong to no layer yet (the original's layer is not theirs)."""
-        return {**self.__dict__, "_owner": None}
-
     def __copy__(self) -> KVCache:
         """An independent cache holding the same positions (storage is copied, never shared)."""
-        twin = KVCache(self.capacity, dtype=self.dtype)
-        twin._k, twin._v, twin._pos, twin._top = (None if t is None else t.clone()
-                                                  for t in (self._k, self._v, self._pos, self._top))
-        twin._length = self._length
-        return twin
-
-    def reset(self) -> None:
-        """Forget every position and the layer it belonged to (keeps no storage)."""
-        self._k = self._v = self._pos = self._top = None
-        self._length = 0
-        self._owner = None
-
-    def claim(self, owner: object) -> tuple[Any, ...]:
-        """Mark ``owner`` as this cache's writer (or raise if another layer is); return a checkpoint."""
-        before = self._claim_owner(owner)
-        return (self._length, before, self._k, self._v, self._pos, self._top)
-
-    def restore(self, checkpoint: tuple[Any, ...]) -> None:
-        """Go back to the state :meth:`claim` saved (positions past it are forgotten)."""
-        self._length, self._owner, self._k, self._v, self._pos, self._top = checkpoint
+        return self._cloned_into(KVCache(self.capacity, dtype=self.dtype))
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
@@ -367,14 +391,6 @@ class KVCache(GrowingSlots):
             assert self._k is not None
             self._pos = torch.arange(self._k.shape[2], device=k.device).expand(k.shape[0], -1).clone()
             self._top = torch.full((k.shape[0],), self._length - 1, device=k.device) if self._length else None
-
-    def _leave_inference_mode(self) -> None:
-        """Storage made under ``torch.inference_mode()`` cannot be written outside it: copy it once."""
-        if torch.compiler.is_compiling() or self._k is None or self._v is None or torch.is_inference_mode_enabled():
-            return
-        held = (self._k, self._v, self._pos, self._top)
-        if any(x is not None and x.is_inference() for x in held):  # positions may come later than keys
-            self._k, self._v, self._pos, self._top = (None if x is None else x.clone() for x in held)
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position)."""

@@ -90,6 +90,20 @@ def weight_form(model: nn.Module) -> str:
     return str(getattr(model, "weight_form", "float32"))
 
 
+def quantize_rows(x: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """int8 codes (..., D) and a scale (...) in ``scale_dtype`` with ``codes * scale`` ~ x (..., D).
+
+    The scale is each row's largest magnitude / 127 (at least float32's smallest
+    normal, so an all-zero row keeps codes 0), rounded to ``scale_dtype`` before
+    the codes are taken, so ``codes * scale`` is exactly what is read. The int8
+    weight form and the int8 KV cache (:mod:`.int8_cache`) both round this way.
+    """
+    largest = x.detach().abs().amax(dim=-1).float()  # (..., D) -> (...)
+    scale = (largest / 127).clamp_min(torch.finfo(torch.float32).tiny).to(scale_dtype)  # (...)
+    codes = torch.round(x.detach().float() / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)  # (..., D)
+    return codes, scale
+
+
 class PackedLinear(nn.Module):
     """A linear layer whose weight is packed for one of PyTorch's low-bit kernels (inference only).
 
@@ -201,9 +215,7 @@ class Int8Linear(PackedLinear):
             raise ValueError(f"int8 weights need inputs in multiples of 16 (the kernel's), got in_features="
                              f"{weight.shape[1]}")
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        w = weight.detach().float()  # (out, in)
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)  # (out,)
-        codes = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()  # (out, in)
+        codes, scale = quantize_rows(weight, torch.bfloat16)  # (out, in) int8, (out,) bfloat16
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.dense_rows = 64 if has_fast_bfloat16() else None  # measured: faster than the kernel from 32-64 rows
