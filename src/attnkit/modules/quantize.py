@@ -216,6 +216,7 @@ class Int8Linear(PackedLinear):
                              f"{weight.shape[1]}")
         super().__init__(weight.shape[1], weight.shape[0], bias)
         codes, scale = quantize_rows(weight, torch.bfloat16)  # (out, in) int8, (out,) bfloat16
+        codes = codes.contiguous()  # the kernel takes contiguous weights (a weight may be a transposed view)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.dense_rows = 64 if has_fast_bfloat16() else None  # measured: faster than the kernel from 32-64 rows
