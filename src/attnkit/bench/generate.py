@@ -148,6 +148,12 @@ def _smollm2_context(metadata: dict[str, Any]) -> int:
     return llama_config(metadata).context_length
 
 
+def _smollm2_forms() -> Sequence[str]:
+    from attnkit.models.llama import LlamaModel
+
+    return tuple(LlamaModel.accurate_forms)
+
+
 def _gemma3_path() -> Path:
     from attnkit.models.gemma3 import gemma3_path
 
@@ -173,11 +179,11 @@ def _gemma3_forms() -> Sequence[str]:
 
 
 MODELS: dict[str, BenchModel] = {
-    # SmolLM2's targets are judged on attnkit's default form over every weight form, as they were set
+    # each model's targets are judged on attnkit's default form there: the fastest of its accurate forms
     "smollm2": BenchModel(name="smollm2", title="SmolLM2-135M", path=_smollm2_path, load=_smollm2_load,
-                          context_length=_smollm2_context, accurate_forms=lambda: WEIGHT_FORMS,
+                          context_length=_smollm2_context, accurate_forms=_smollm2_forms,
                           lengths=(16, 4000, 7900), batch=8, pad_id=2,
-                          targets=lambda rows: generate_targets(rows, default_form())),
+                          targets=lambda rows: generate_targets(rows, default_form(_smollm2_forms()))),
     "gemma3": BenchModel(name="gemma3", title="Gemma 3 270M", path=_gemma3_path, load=_gemma3_load,
                          context_length=_gemma3_context, accurate_forms=_gemma3_forms, lengths=GEMMA3_LENGTHS,
                          batch=0, pad_id=0,

@@ -59,7 +59,8 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
                    help="compute type (default float32; BENCHMARKS.md has the speed of each)")
     p.add_argument("--weights", choices=list(WEIGHT_FORMS),
                    help="the form of the weights with float32 compute (fewer bytes: each token reads them all); "
-                   "default: the fastest form that meets the accuracy bar on this CPU (said at load)")
+                   "default: the fastest form that meets the accuracy bar on this CPU (said at load); with "
+                   "--dtype bfloat16 the weights stay plain bfloat16")
     p.add_argument("--model", choices=list(MODELS), help="the packaged model (default smollm2): "
                    + "; ".join(f"{name}: {what}" for name, what in MODELS.items()))
     p.add_argument("--gguf", metavar="FILE", help="a Llama- or Gemma 3-architecture GGUF file instead of a "

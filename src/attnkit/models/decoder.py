@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from attnkit.functional.norm import RMSNorm
 from attnkit.modules import Int8KVCache, KVCache, StaticKVCache
-from attnkit.modules.kv_cache import Cache, check_cache, check_positions, transaction
+from attnkit.modules.kv_cache import STORAGE_DTYPES, Cache, check_cache, check_positions, transaction
 
 from . import generation
 from .generation import GenerationMixin, Tokenizer
@@ -124,6 +124,9 @@ class DecoderModel(GenerationMixin, nn.Module):
         or unbounded), or with ``static`` a :class:`attnkit.StaticKVCache` of ``capacity`` slots; ``dtype``:
         the dtype they store keys and values in (None: the model's; bfloat16 / float16: half the bytes;
         int8: :class:`attnkit.modules.int8_cache.Int8KVCache`, growing only)."""
+        if dtype is not None and dtype not in (*STORAGE_DTYPES, torch.int8):
+            raise ValueError(f"new_caches stores keys and values in None (the model's dtype), "
+                             f"{', '.join(map(str, STORAGE_DTYPES))} or torch.int8, got dtype={dtype!r}")
         if dtype == torch.int8:
             if static:
                 raise ValueError("an int8 cache grows (Int8KVCache): there is no static one; use static=False, or "

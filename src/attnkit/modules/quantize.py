@@ -18,7 +18,9 @@ hand-written.
   vocabulary head, stored 8-bit in such files) is kept in float16 (in int8 it
   cost SmolLM2 1.5 points of greedy agreement), and one whose inputs are not
   a multiple of 32 (or outputs not a multiple of 16) in int8; int8 needs
-  inputs in multiples of 16 and leaves other layers in float32.
+  inputs in multiples of 16 and leaves other layers in float32, as float16
+  does a layer with magnitudes beyond 65504. A warning names every layer kept
+  in another form than the one asked (the tied head's float16 aside).
 
 Every form but float32 also keeps embedding tables in float16
 (:class:`Float16Embedding`): rows are looked up, not multiplied, so this
@@ -41,8 +43,11 @@ the input's own rounding). float16 and int4 meet the accuracy bar on SmolLM2
 choices: one scale per row is coarser than the file's 4-bit groups.
 
 Refused, by name: an unknown form, a form this CPU's PyTorch cannot run, a
-model quantized twice, and a quantized model asked to train or to
-differentiate through its packed weights.
+model (or part of one) quantized twice, a model off the CPU or none of whose
+layers fits the form, and a quantized model asked to train, to differentiate
+through its packed weights, to move off the CPU or to leave float32. A
+float16 layer (fbgemm's opaque matrix, also int4's head) cannot be saved,
+loaded or copied: quantize a copy of the float32 model instead.
 """
 
 from __future__ import annotations
@@ -149,6 +154,22 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PackedLinear:
+        """``.to()``, ``.float()``, ``.cuda()`` and the like: packed buffers keep their own dtypes and the CPU.
+
+        A conversion to float32 on the CPU (``model.float()``) leaves the layer
+        as it is (a packed model already computes in float32); another dtype or
+        a device is refused, naming it, instead of failing later in a kernel.
+        """
+        probe = fn(torch.zeros((), dtype=torch.float32))  # what the conversion does to a float32 tensor
+        if probe.device.type != "cpu":
+            raise ValueError(f"a layer with {self.form} weights runs PyTorch's CPU kernels and cannot move to "
+                             f"{probe.device}; load the model with weights='float32' to run it there")
+        if probe.dtype != torch.float32:
+            raise ValueError(f"a model with {self.form} weights computes in float32 and cannot be converted to "
+                             f"{probe.dtype}; load it with weights='float32' for another dtype")
+        return self
+
 
 class _NoGradient(torch.autograd.Function):
     """A packed layer's product whose backward raises: packed weights have no gradient formula."""
@@ -182,6 +203,11 @@ def _(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
     return x.new_empty(x.shape[0], out_features)  # (M, in) -> (M, out)
 
 
+def fits_float16(weight: Tensor) -> bool:
+    """Whether float16 holds every value of ``weight`` (magnitudes up to 65504; beyond, values would clip)."""
+    return weight.numel() == 0 or bool(weight.detach().abs().max() <= torch.finfo(torch.float16).max)
+
+
 class Float16Linear(PackedLinear):
     """float16 weights, float32 activations: fbgemm's ``fbgemm_linear_fp16_weight`` (x86 CPUs)."""
 
@@ -190,11 +216,33 @@ class Float16Linear(PackedLinear):
     packed: Tensor  # fbgemm's packed float16 matrix (opaque)
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        if not fits_float16(weight):
+            raise ValueError(f"float16 weights hold magnitudes up to {torch.finfo(torch.float16).max:g}; this "
+                             f"weight reaches {float(weight.detach().abs().max()):g} (it would be clipped): keep "
+                             "the layer in float32")
         super().__init__(weight.shape[1], weight.shape[0], bias)
         with warnings.catch_warnings():  # marked deprecated, as above
             warnings.simplefilter("ignore", UserWarning)
             packed = torch.fbgemm_pack_gemm_matrix_fp16(weight.detach().float().contiguous())
-        self.register_buffer("packed", packed)
+        # a pointer to fbgemm's C++ object in a tensor's bytes: never saved or loaded (a copied pointer is freed twice)
+        self.register_buffer("packed", packed, persistent=False)
+
+    def _refuse_copy(self, what: str) -> ValueError:
+        return ValueError(f"a float16 layer (fbgemm's packed matrix, an opaque C++ object) cannot be {what}: "
+                          "save or copy the float32 model and quantize() the copy (loading a GGUF file "
+                          "again takes seconds)")
+
+    def _save_to_state_dict(self, destination: dict[str, object], prefix: str, keep_vars: bool) -> None:
+        raise self._refuse_copy(f"saved to a state_dict (at {prefix.rstrip('.') or 'the root'})")
+
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        raise self._refuse_copy("loaded from a state_dict")
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Float16Linear:
+        raise self._refuse_copy("deep-copied")
+
+    def __getstate__(self) -> dict[str, object]:
+        raise self._refuse_copy("pickled (torch.save of the model)")
 
     def matmul(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling():
@@ -259,9 +307,7 @@ def _float16_table(module: nn.Module, _: str) -> nn.Module | None:
     """
     if type(module) is not nn.Embedding or module.max_norm is not None or module.weight.dtype != torch.float32:
         return None
-    if module.weight.detach().abs().max() > torch.finfo(torch.float16).max:
-        return None
-    return Float16Embedding(module.weight)
+    return Float16Embedding(module.weight) if fits_float16(module.weight) else None
 
 
 def int4_grid(weight: Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor, Tensor]:
@@ -371,27 +417,41 @@ def _tied_to_embedding(model: nn.Module) -> set[int]:
     return {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def _int8(linear: nn.Linear) -> nn.Module:
+Made = tuple[nn.Module, str | None]  # a layer to put in place, and why it is not in the form asked (None: it is)
+
+
+def _float16(linear: nn.Linear) -> Made:
+    """float16, or the float32 layer as it is where float16 cannot hold its weights."""
+    if not fits_float16(linear.weight):
+        return linear, "weights beyond float16's range, +-65504"
+    return Float16Linear(linear.weight, linear.bias), None
+
+
+def _int8(linear: nn.Linear) -> Made:
     """int8, or the float32 layer as it is where its inputs are not a multiple of 16 (the kernel's)."""
-    return linear if linear.in_features % 16 else Int8Linear(linear.weight, linear.bias)
+    if linear.in_features % 16:
+        return linear, "inputs not a multiple of 16, which int8's kernel needs"
+    return Int8Linear(linear.weight, linear.bias), None
 
 
 Grids = Mapping[str, tuple[Tensor, Tensor, Tensor]]  # module name -> (codes, scale, minimum) of its weight
 
 
-def _int4_with_float16_head(model: nn.Module, grids: Grids) -> Callable[[nn.Linear, str], nn.Module]:
-    """int4 (from ``grids`` where given); float16 for a head tied to an embedding; int8 (or float32) where the
-    sizes do not fit int4's tiles."""
+def _int4_with_float16_head(model: nn.Module, grids: Grids) -> Callable[[nn.Linear, str], Made]:
+    """int4 (from ``grids`` where given); float16 for a head tied to an embedding (by design: not reported);
+    int8 (or float32) where the sizes do not fit int4's tiles."""
     tied = _tied_to_embedding(model)
 
-    def make(linear: nn.Linear, name: str) -> nn.Module:
+    def make(linear: nn.Linear, name: str) -> Made:
         if name in grids:
-            return Int4Linear(linear.weight, linear.bias, grid=grids[name])
+            return Int4Linear(linear.weight, linear.bias, grid=grids[name]), None
         if linear.weight.untyped_storage().data_ptr() in tied:
-            return Float16Linear(linear.weight, linear.bias)
+            return _float16(linear)
         if not int4_fits(linear.out_features, linear.in_features):
-            return _int8(linear)
-        return Int4Linear(linear.weight, linear.bias)
+            layer, why = _int8(linear)
+            tiles = "sizes outside int4's tiles (inputs in groups of 32, outputs in multiples of 16)"
+            return layer, tiles if why is None else f"{tiles}; {why}"
+        return Int4Linear(linear.weight, linear.bias), None
     return make
 
 
@@ -404,24 +464,49 @@ def _check_grid_names(model: nn.Module, grids: Grids) -> None:
                          f"{sorted(linears)[:2]})")
 
 
-def _swap(module: nn.Module, make: Callable[[nn.Module, str], nn.Module | None], prefix: str = "") -> None:
-    """Replace each module below ``module`` by ``make(it, its qualified name)``, in place; where ``make`` gives
-    None, look inside instead."""
+Swap = tuple[nn.Module, str, str, Made]  # parent, attribute, qualified name, (replacement, why)
+
+
+def _planned(module: nn.Module, make: Callable[[nn.Module, str], Made | None], prefix: str = "") -> list[Swap]:
+    """Each module below ``module`` that ``make(it, its qualified name)`` replaces (where ``make`` gives None,
+    what is inside it), with its replacement built: nothing is swapped yet, so an error leaves the model whole."""
+    planned: list[Swap] = []
     for name, child in module.named_children():
-        replacement = make(child, prefix + name)
-        if replacement is not None:
-            setattr(module, name, replacement)
+        made = make(child, prefix + name)
+        if made is not None:
+            planned.append((module, name, prefix + name, made))
         else:
-            _swap(child, make, prefix + name + ".")
+            planned += _planned(child, make, prefix + name + ".")
+    return planned
 
 
-def _linears(make: Callable[[nn.Linear, str], nn.Module]) -> Callable[[nn.Module, str], nn.Module | None]:
+def _linears(make: Callable[[nn.Linear, str], Made]) -> Callable[[nn.Module, str], Made | None]:
     """``make`` for ``nn.Linear`` modules, None (look inside) for the others."""
     return lambda module, name: make(module, name) if isinstance(module, nn.Linear) else None
 
 
-def _check(model: nn.Module, weights: str) -> None:
-    """Raise for a form that is unknown or not here, a model quantized before, or one not in float32."""
+def _table(module: nn.Module, name: str) -> Made | None:
+    table = _float16_table(module, name)
+    return None if table is None else (table, None)
+
+
+def _report_kept(planned: list[Swap], weights: str) -> None:
+    """Refuse a model none of whose linear layers takes ``weights``; warn, naming them, where some keep another
+    form (never a silent fallback)."""
+    kept = [(name, layer, why) for _, _, name, (layer, why) in planned if why is not None]
+    if not kept:
+        return
+    listed = "; ".join(f"{name} ({getattr(layer, 'form', 'float32')}: {why})" for name, layer, why in kept[:3])
+    more = f"; and {len(kept) - 3} more" if len(kept) > 3 else ""
+    if len(kept) == len(planned):
+        raise ValueError(f"none of the model's {len(planned)} linear layers can take {weights} weights: {listed}{more}")
+    warnings.warn(f"quantize(model, {weights!r}): {len(kept)} of {len(planned)} linear layers keep another form: "
+                  f"{listed}{more}", stacklevel=3)
+
+
+def _check(model: nn.Module, weights: str, grids: Grids) -> None:
+    """Raise for a form that is unknown or not here, a model (or any part of it) quantized before, a single
+    layer, and linear layers not in float32 or not on the CPU."""
     if weights not in WEIGHT_FORMS:
         raise ValueError(f"unknown weight form {weights!r}; known: {', '.join(WEIGHT_FORMS)}")
     if weights not in available_forms():
@@ -430,16 +515,34 @@ def _check(model: nn.Module, weights: str) -> None:
                          f"lacks (engines: {', '.join(torch.backends.quantized.supported_engines)})")
     if weight_form(model) != "float32":
         raise ValueError(f"this model's weights are already {weight_form(model)}: quantize a float32 model, once")
+    packed = [name or "the model" for name, m in model.named_modules() if isinstance(m, PackedLinear)]
+    if packed:
+        raise ValueError(f"parts of this model are already quantized ({len(packed)} packed layers: {packed[:3]}): "
+                         "quantize a float32 model, once")
+    if isinstance(model, nn.Linear):
+        raise ValueError("quantize() swaps the nn.Linear layers inside a model, and was given a single nn.Linear: "
+                         "wrap it (nn.Sequential(layer)) or build a packed layer from it (Int8Linear(layer.weight, "
+                         "layer.bias), Int4Linear, Float16Linear)")
     floats = {p.dtype for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
     if floats - {torch.float32}:
         raise ValueError(f"quantize() takes a float32 model; its linear layers are {sorted(map(str, floats))}")
+    read = [p for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in grids
+            for p in m.parameters()]  # a layer with a grid is built from it: its weight may be an unread placeholder
+    devices = {str(p.device) for p in read} - {"cpu"}
+    if devices:
+        raise ValueError(f"quantize() packs weights for PyTorch's CPU kernels, and this model's linear layers are "
+                         f"on {sorted(devices)}: quantize it on the CPU (model.cpu()), or run it there in float32")
 
 
 def quantize(model: nn.Module, weights: str, *, grids: Grids | None = None) -> nn.Module:
     """Swap every ``nn.Linear`` of ``model`` for ``weights``' form, in place; the model is returned in eval mode.
 
-    Works on any attnkit model (the decoders, MiniLM): attention layers check
-    their input against an activation dtype, never a weight's. ``grids``
+    Works on attnkit's decoders and MiniLM, whose attention layers check their
+    input against an activation dtype, never a weight's (modules that read a
+    linear layer's ``.weight`` themselves, such as the textbook's, cannot run
+    packed). Layers a form cannot hold keep another (int8 needs inputs in
+    multiples of 16, int4 its tiles, float16 magnitudes up to 65504): a
+    warning names them, and a model none of whose layers fits is refused. ``grids``
     (int4 only): for layers named in it, their 4-bit grid as read from a file
     (:func:`attnkit.models.gguf.q4_1_grid`), used instead of their weight.
     """
@@ -447,14 +550,18 @@ def quantize(model: nn.Module, weights: str, *, grids: Grids | None = None) -> n
         raise ValueError(f"grids are 4-bit weights: they go with weights='int4', not {weights!r}")
     if weights == "float32" and weight_form(model) == "float32":
         return model  # nothing to swap, whatever the model's dtype (a bfloat16 model stays as it is)
-    _check(model, weights)
-    make: Callable[[nn.Linear, str], nn.Module] = {
-        "float16": lambda linear, _: Float16Linear(linear.weight, linear.bias),
+    _check(model, weights, grids or {})
+    make: Callable[[nn.Linear, str], Made] = {
+        "float16": lambda linear, _: _float16(linear),
         "int8": lambda linear, _: _int8(linear),
     }.get(weights) or _int4_with_float16_head(model, grids or {})
     _check_grid_names(model, grids or {})
-    _swap(model, _linears(make))  # before the embeddings: a head tied to one is found by sharing its table
-    _swap(model, _float16_table)
+    linears = _planned(model, _linears(make))  # every packed layer built before anything is swapped
+    if not linears:
+        raise ValueError(f"this model has no nn.Linear layer to take {weights} weights")
+    _report_kept(linears, weights)
+    for parent, name, _, (layer, _) in linears + _planned(model, _table):
+        setattr(parent, name, layer)
     model.weight_form = weights  # type: ignore[assignment]
     model.register_forward_pre_hook(_refuse_training)
     return model.eval()
