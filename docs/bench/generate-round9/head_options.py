@@ -52,8 +52,9 @@ def main() -> None:
                         way(x)
                         times[name].append(time.perf_counter() - start)
         base = statistics.median(times["fbgemm float16 (97 MiB)"])
-        print(f"{rows} rows: " + "; ".join(f"{n} {statistics.median(t) * 1e3:.2f} ms ({statistics.median(t) / base:.2f}x)"
-                                           for n, t in times.items()))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        cells = [f"{n} {m * 1e3:.2f} ms ({m / base:.2f}x)" for n, m in medians.items()]
+        print(f"{rows} rows: " + "; ".join(cells))
 
 
 if __name__ == "__main__":
