@@ -202,21 +202,14 @@ class Int8KVCache(GrowingSlots):
             self._vt = _grown(self._vt, (b, g, v.shape[3], size), 3, k, torch.int8)
             self._vs = _grown(self._vs, (b, g, size), 2, k, torch.float32)
             self._pos = None if self._pos is None else _grown(self._pos, (b, size), 1, self._pos, torch.long)
-        if explicit and self._pos is None:  # the first explicit positions: slots so far held positions 0 .. n - 1
+        if explicit and self._pos is None:
             assert self._kc is not None
-            self._pos = torch.arange(self._kc.shape[2], device=k.device).expand(k.shape[0], -1).clone()
-            self._top = torch.full((k.shape[0],), self._length - 1, device=k.device) if self._length else None
+            self._number_held_slots(self._kc.shape[2], k.shape[0], k.device)
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> Int8Keys:
         """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position)."""
-        self._check(k, v)
-        self._leave_inference_mode()
         start, t = self._length, k.shape[2]
-        if self.capacity is not None and start + t > self.capacity:
-            raise ValueError(f"Int8KVCache capacity {self.capacity} exceeded: it holds {start} positions and {t} "
-                             "more were appended")
-        self._check_after(positions, k.shape[0], k.device)
-        self._reserve(start + t, k, v, positions is not None)
+        self._reserve(self._begin_update(k, v, positions), k, v, positions is not None)
         assert self._kc is not None and self._ks is not None and self._vt is not None and self._vs is not None
         new = slice(start, start + t)
         if k.shape == v.shape:  # one pass over both: (2, B, G, T, D)

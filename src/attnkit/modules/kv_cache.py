@@ -204,12 +204,14 @@ class GrowingSlots(_Ownership):
     slots 0 .. len - 1 held, and once a call gave explicit positions, each slot's position.
 
     A subclass names the tensors it holds in ``_STORAGE`` (``_pos`` and ``_top`` among them), sets
-    ``_length``, and calls :meth:`_check_after` before it stores a call's keys and :meth:`_note_positions`
-    after; claim / restore / reset / copy and leaving inference mode then work on all of its tensors.
+    ``_length`` and ``capacity``, checks a call's keys in ``_check``, and calls :meth:`_begin_update` before
+    it stores them and :meth:`_note_positions` after; claim / restore / reset / copy and leaving inference
+    mode then work on all of its tensors.
     """
 
     _STORAGE: tuple[str, ...]  # the attributes holding its tensors (each a Tensor or None)
     _length: int
+    capacity: int | None
     _pos: Tensor | None  # (B, allocated) positions once a call gave explicit ones
     _top: Tensor | None  # (B,) the highest position each row holds, with _pos
 
@@ -280,6 +282,27 @@ class GrowingSlots(_Ownership):
             return self._length
         last = self._pos[:, : self._length].amax(dim=1, keepdim=True)  # (B, 1)
         return last + 1 + torch.arange(length, device=last.device)  # (B, T)
+
+    def _begin_update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> int:
+        """What every growing cache checks before storing k, v (B, G, T, D): their shapes and dtype
+        (``_check``), the capacity and the positions; returns the slots held after the call."""
+        self._check(k, v)
+        self._leave_inference_mode()
+        needed = self._length + k.shape[2]
+        if self.capacity is not None and needed > self.capacity:
+            raise ValueError(f"{type(self).__name__} capacity {self.capacity} exceeded: it holds {self._length} "
+                             f"positions and {k.shape[2]} more were appended")
+        self._check_after(positions, k.shape[0], k.device)
+        return needed
+
+    def _check(self, k: Tensor, v: Tensor) -> None:
+        """Raise for keys and values this cache cannot store (each cache checks against its own storage)."""
+        raise NotImplementedError
+
+    def _number_held_slots(self, allocated: int, batch: int, device: torch.device) -> None:
+        """The first explicit positions: the slots so far held positions 0 .. n - 1."""
+        self._pos = torch.arange(allocated, device=device).expand(batch, -1).clone()  # (B, allocated)
+        self._top = torch.full((batch,), self._length - 1, device=device) if self._length else None
 
     def _check_after(self, positions: Tensor | None, batch: int, device: torch.device) -> None:
         """New positions (B, T) must come after every position a row holds."""
@@ -387,20 +410,13 @@ class KVCache(GrowingSlots):
             if self._pos is not None and new_pos is not None:
                 new_pos[:, : self._length] = self._pos[:, : self._length]
             self._k, self._v, self._pos = new_k, new_v, new_pos
-        if explicit and self._pos is None:  # the first explicit positions: slots so far held positions 0 .. n - 1
+        if explicit and self._pos is None:
             assert self._k is not None
-            self._pos = torch.arange(self._k.shape[2], device=k.device).expand(k.shape[0], -1).clone()
-            self._top = torch.full((k.shape[0],), self._length - 1, device=k.device) if self._length else None
+            self._number_held_slots(self._k.shape[2], k.shape[0], k.device)
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position)."""
-        self._check(k, v)
-        self._leave_inference_mode()
-        needed = self._length + k.shape[2]
-        if self.capacity is not None and needed > self.capacity:
-            raise ValueError(f"KVCache capacity {self.capacity} exceeded: it holds {self._length} "
-                             f"positions and {k.shape[2]} more were appended")
-        self._check_after(positions, k.shape[0], k.device)
+        needed = self._begin_update(k, v, positions)
         self._reserve(needed, k, v, positions is not None)
         assert self._k is not None and self._v is not None  # _reserve allocated them
         start, self._length = self._length, needed
