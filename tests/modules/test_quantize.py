@@ -314,6 +314,9 @@ def test_minilm_runs_with_each_weight_form(form: str) -> None:
     else:  # 8 and 4 bits of a small model's matrices: the same sentence vectors, not the same digits
         cosine = nn.functional.cosine_similarity(packed.flatten(1), reference.flatten(1), dim=-1)  # (B,)
         assert bool((cosine > 0.95).all()), cosine  # measured 0.975 (int4) and 0.988 (int8) at worst
+    with pytest.raises(ValueError, match=f"{form} weights computes in float32"):
+        model.half()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # refused before the embeddings' LayerNorm
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -116,6 +116,21 @@ def test_a_quantized_model_keeps_float32_and_the_cpu(form: str) -> None:
         packed.to("meta")
 
 
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.to("meta")],
+                         ids=["half", "bfloat16", "meta"])
+def test_a_refused_conversion_leaves_every_module_as_it_was(convert) -> None:
+    """The model refuses before any module converts: nn.Module._apply visits the embedding and the first norm
+    before the first packed layer, and a refusal from that layer alone left them converted."""
+    model = quantize(_tiny(), "int8")
+    before = {name: t.clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    with pytest.raises(ValueError, match="int8 weights"):
+        convert(model)
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=0, msg=name)  # dtype and device checked too
+
+
 def test_new_caches_names_every_dtype_it_takes() -> None:
     with pytest.raises(ValueError, match=r"torch\.bfloat16, torch\.float16 or torch\.int8, got dtype=torch\.uint8"):
         _tiny().new_caches(dtype=torch.uint8)

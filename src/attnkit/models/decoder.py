@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from attnkit.functional.norm import RMSNorm
 from attnkit.modules import Int8KVCache, KVCache, StaticKVCache
 from attnkit.modules.kv_cache import STORAGE_DTYPES, Cache, check_cache, check_positions, transaction
+from attnkit.modules.quantize import check_conversion, quantize, resolve_form
 
 from . import generation
 from .generation import GenerationMixin, Tokenizer
@@ -108,6 +109,10 @@ class DecoderModel(GenerationMixin, nn.Module):
         self.vocab_size, self.context_length = config.vocab_size, config.context_length
         self.pad_token_id: int = 0 if tokenizer is None else tokenizer.pad_id  # type: ignore[attr-defined]
         self.stop_token_ids: tuple[int, ...] = () if tokenizer is None else tokenizer.stop_ids  # type: ignore
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> DecoderModel:
+        check_conversion(self, fn)  # a quantized model refuses .half() / .cuda() before any module converts
+        return super()._apply(fn, recurse)
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
         """Token vectors (B, T, C) of input_ids (B, T): the embedding's rows."""
@@ -258,8 +263,6 @@ def pack(model: M, weights: str, grids: Mapping[str, tuple[Tensor, Tensor, Tenso
     """``model``'s linear layers in ``weights``' form ("auto": the fastest its class measured accurate), then the
     heap the dropped float32 weights held handed back to the OS. ``grids``: 4-bit grids read from the file for
     int4 (see :func:`attnkit.modules.quantize.quantize`)."""
-    from attnkit.modules.quantize import quantize, resolve_form
-
     quantize(model, resolve_form(weights, model.accurate_forms), grids=grids)
     release_freed_memory()
     return model

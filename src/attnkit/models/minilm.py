@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from attnkit._optional import require
 from attnkit.modules import MultiHeadAttention
+from attnkit.modules.quantize import check_conversion
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,10 @@ class MiniLM(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
         self.tokenizer = tokenizer
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MiniLM:
+        check_conversion(self, fn)  # a quantized model refuses .half() / .cuda() before any module converts
+        return super()._apply(fn, recurse)
 
     def _check(self, input_ids: object, attention_mask: object) -> Tensor:
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:

@@ -45,7 +45,9 @@ choices: one scale per row is coarser than the file's 4-bit groups.
 Refused, by name: an unknown form, a form this CPU's PyTorch cannot run, a
 model (or part of one) quantized twice, a model off the CPU or none of whose
 layers fits the form, and a quantized model asked to train, to differentiate
-through its packed weights, to move off the CPU or to leave float32. A
+through its packed weights, to move off the CPU or to leave float32 (attnkit's
+decoders and MiniLM refuse before any module converts, leaving the model as it
+was; in another model each packed layer refuses as it is reached). A
 float16 layer (fbgemm's opaque matrix, also int4's head) cannot be saved,
 loaded or copied: quantize a copy of the float32 model instead.
 """
@@ -161,14 +163,31 @@ class PackedLinear(nn.Module):
         as it is (a packed model already computes in float32); another dtype or
         a device is refused, naming it, instead of failing later in a kernel.
         """
-        probe = fn(torch.zeros((), dtype=torch.float32))  # what the conversion does to a float32 tensor
-        if probe.device.type != "cpu":
-            raise ValueError(f"a layer with {self.form} weights runs PyTorch's CPU kernels and cannot move to "
-                             f"{probe.device}; load the model with weights='float32' to run it there")
-        if probe.dtype != torch.float32:
-            raise ValueError(f"a model with {self.form} weights computes in float32 and cannot be converted to "
-                             f"{probe.dtype}; load it with weights='float32' for another dtype")
+        _refuse_conversion(self.form, fn)
         return self
+
+
+def _refuse_conversion(form: str, fn: Callable[[Tensor], Tensor]) -> None:
+    """Raise unless ``fn`` (what ``.to()``, ``.half()``, ``.cuda()`` apply) keeps float32 on the CPU."""
+    probe = fn(torch.zeros((), dtype=torch.float32))  # what the conversion does to a float32 tensor
+    if probe.device.type != "cpu":
+        raise ValueError(f"a layer with {form} weights runs PyTorch's CPU kernels and cannot move to "
+                         f"{probe.device}; load the model with weights='float32' to run it there")
+    if probe.dtype != torch.float32:
+        raise ValueError(f"a model with {form} weights computes in float32 and cannot be converted to "
+                         f"{probe.dtype}; load it with weights='float32' for another dtype")
+
+
+def check_conversion(model: nn.Module, fn: Callable[[Tensor], Tensor]) -> None:
+    """Raise before anything converts if ``fn`` would have to change a packed layer of ``model``.
+
+    A model's ``_apply`` calls this first: ``nn.Module._apply`` converts
+    children in order, so a packed layer refusing on its own would leave the
+    modules before it (the embedding, the first norm) already converted.
+    """
+    packed = next((m for m in model.modules() if isinstance(m, PackedLinear)), None)
+    if packed is not None:
+        _refuse_conversion(packed.form, fn)
 
 
 class _NoGradient(torch.autograd.Function):
