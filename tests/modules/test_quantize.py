@@ -49,7 +49,7 @@ def _agreement_and_perplexity_ratio(form: str, dense: bool = True) -> tuple[floa
     """Against float32 on 256 positions; ``dense=False``: every packed layer through its kernel (as when
     decoding), not the bfloat16 product a 257-token forward takes where bfloat16 is native."""
     from attnkit.models import load_smollm2
-    from attnkit.modules.quantize import PackedLinear
+    from attnkit.modules.packed import PackedLinear
 
     reference = smollm2()
     ids = reference.tokenize(TEXT)["input_ids"][:, :257]
@@ -92,7 +92,7 @@ def test_int4_recovers_the_files_q4_1_blocks_exactly() -> None:
     """The int4 grid of the dequantised weights is the file's own: codes, scales and minimums of its Q4_1 blocks."""
     from attnkit.models.gguf import read_gguf
     from attnkit.models.loader import smollm2_path
-    from attnkit.modules.quantize import int4_grid
+    from attnkit.modules.packed import int4_grid
 
     need("gguf")
     import gguf
@@ -119,7 +119,7 @@ def test_int4_recovers_the_files_q4_1_blocks_exactly() -> None:
 def test_packed_layers_equal_their_dequantised_weights(form: str, rows: int) -> None:
     """A packed layer computes x @ W^T over the weights it rounded to: bias added, any leading shape; for
     300 rows through one bfloat16 product over its unpacked weight (where bfloat16 is native), 6 its kernel."""
-    from attnkit.modules.quantize import Int4Linear, Int8Linear, int4_grid
+    from attnkit.modules.packed import Int4Linear, Int8Linear, int4_grid
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
@@ -151,7 +151,7 @@ def test_packed_layers_equal_their_dequantised_weights(form: str, rows: int) -> 
 def test_int4_unpacks_the_kernels_tiles_back_to_its_codes(out_features: int) -> None:
     """Full blocks of 64 outputs and a last block of 16, 32 or 48 (the AVX512 layout; others are checked at
     construction and keep the kernel)."""
-    from attnkit.modules.quantize import Int4Linear, int4_grid, unpack_int4
+    from attnkit.modules.packed import Int4Linear, int4_grid, unpack_int4
 
     weight = torch.randn(out_features, 96, generator=torch.Generator().manual_seed(out_features))
     layer = Int4Linear(weight)
@@ -166,7 +166,7 @@ def test_int4_unpacks_the_kernels_tiles_back_to_its_codes(out_features: int) -> 
 @pytest.mark.parametrize("form", ["int8", "int4"])
 def test_the_widened_product_starts_at_its_threshold(form: str, monkeypatch) -> None:
     """One row short of ``dense_rows``: the kernel; at it: the widened weight, and the kernel is not called."""
-    from attnkit.modules.quantize import Int4Linear, Int8Linear
+    from attnkit.modules.packed import Int4Linear, Int8Linear
 
     layer = (Int8Linear if form == "int8" else Int4Linear)(torch.randn(64, 64))
     assert layer.dense_rows == (64 if form == "int8" else 256)
@@ -180,7 +180,7 @@ def test_the_widened_product_starts_at_its_threshold(form: str, monkeypatch) -> 
 
 
 def test_packed_layers_keep_their_kernel_where_bfloat16_is_slow_or_the_tiles_unknown(monkeypatch) -> None:
-    import attnkit.modules.quantize as q
+    import attnkit.modules.packed as q
 
     weight = torch.randn(64, 64)
     monkeypatch.setattr(q, "has_fast_bfloat16", lambda: False)
@@ -203,7 +203,8 @@ def test_a_quantized_model_generates_the_greedy_answer_of_float32() -> None:
 
 
 def test_float32_leaves_any_model_as_it_is_and_int8_skips_widths_its_kernel_gets_wrong() -> None:
-    from attnkit.modules.quantize import Int8Linear, quantize
+    from attnkit.modules.packed import Int8Linear
+    from attnkit.modules.quantize import quantize
 
     half = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
     assert quantize(half, "float32") is half and half[0].weight.dtype == torch.bfloat16
@@ -233,7 +234,7 @@ def test_bad_forms_twice_and_training_are_refused() -> None:
 
 @pytest.mark.parametrize("form", ["int8", "int4"])
 def test_packed_layers_refuse_backward_and_wrong_widths(form: str) -> None:
-    from attnkit.modules.quantize import Int4Linear, Int8Linear
+    from attnkit.modules.packed import Int4Linear, Int8Linear
 
     layer = (Int8Linear if form == "int8" else Int4Linear)(torch.randn(16, 32))
     x = torch.randn(2, 32, requires_grad=True)
@@ -255,7 +256,8 @@ def test_packed_layers_refuse_backward_and_wrong_widths(form: str) -> None:
 
 def test_int4_keeps_a_tied_head_in_float16_and_odd_widths_in_int8() -> None:
     from attnkit.models import LlamaConfig, LlamaModel
-    from attnkit.modules.quantize import Float16Linear, Int4Linear, Int8Linear, quantize
+    from attnkit.modules.packed import Float16Linear, Int4Linear, Int8Linear
+    from attnkit.modules.quantize import quantize
 
     model = LlamaModel(LlamaConfig(vocab_size=40, d_model=64, num_layers=1, num_heads=2, num_kv_heads=1,
                                    ffn_size=48, context_length=16))
@@ -274,7 +276,8 @@ def test_int4_keeps_a_tied_head_in_float16_and_odd_widths_in_int8() -> None:
 def test_packed_forms_keep_plain_embedding_tables_in_float16_and_leave_others_alone() -> None:
     """A plain table's rows come back exactly as float16 rounds them; a subclass (its forward may scale), a
     max_norm table (renormalised on lookup) and a table float16 cannot hold stay as they were."""
-    from attnkit.modules.quantize import Float16Embedding, quantize
+    from attnkit.modules.packed import Float16Embedding
+    from attnkit.modules.quantize import quantize
 
     class Scaled(nn.Embedding):
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -365,14 +368,14 @@ def test_load_gguf_auto_picks_by_the_architectures_measured_forms(tmp_path) -> N
 def test_int4_loads_straight_from_the_files_q4_1_blocks(monkeypatch) -> None:
     """Loading int4 reads each Q4_1 layer's codes, scales and minimums from its blocks (nothing dequantised and
     re-gridded) and packs exactly what quantizing the dequantised float32 model packs."""
-    import attnkit.modules.quantize as quantize_module
+    import attnkit.modules.packed as packed_module
     from attnkit.models import load_smollm2
     from attnkit.modules.quantize import quantize
 
     reference = quantize(load_smollm2(weights="float32"), "int4")  # the dequantised weights, re-gridded
     regrids = []
-    real_grid = quantize_module.int4_grid
-    monkeypatch.setattr(quantize_module, "int4_grid", lambda *a, **k: regrids.append(1) or real_grid(*a, **k))
+    real_grid = packed_module.int4_grid
+    monkeypatch.setattr(packed_module, "int4_grid", lambda *a, **k: regrids.append(1) or real_grid(*a, **k))
     direct = load_smollm2(weights="int4")
     assert regrids == []  # every int4 layer of this file came from its blocks
     ours, theirs = dict(direct.named_buffers()), dict(reference.named_buffers())

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from attnkit.models import LlamaConfig, LlamaModel
-from attnkit.modules.quantize import Float16Linear, Int4Linear, Int8Linear, PackedLinear, quantize, weight_form
+from attnkit.modules.packed import Float16Linear, Int4Linear, Int8Linear, PackedLinear
+from attnkit.modules.quantize import quantize, weight_form
 
 
 def _tiny(d_model: int = 64, ffn_size: int = 128) -> LlamaModel:

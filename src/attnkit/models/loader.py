@@ -27,7 +27,8 @@ from torch import Tensor
 from attnkit._cpu import SlowDtypeWarning as SlowDtypeWarning  # re-exported: load_gguf warns with it
 from attnkit._cpu import warn_if_slow_dtype
 from attnkit._optional import MissingDependencyError
-from attnkit.modules.quantize import WEIGHT_FORMS, int4_fits, resolve_form
+from attnkit.modules.packed import int4_fits
+from attnkit.modules.quantize import WEIGHT_FORMS, resolve_form
 
 from .decoder import DecoderModel, assemble, pack, release_freed_memory
 from .gguf import Q4_1_BLOCK, GGUFFile, q4_1_grid, read_gguf, unpermute_rows

@@ -54,7 +54,7 @@ from torch import Tensor
 from attnkit.backends.math import softmax_rows
 
 from .kv_cache import CachedKeys, GrowingSlots
-from .quantize import quantize_rows
+from .packed import quantize_rows
 
 CHUNK = 256  # positions per growth of the storage
 KERNEL_ROWS = 64  # the most query rows per key/value head (N) that the int8 kernels attend for
