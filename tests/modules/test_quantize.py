@@ -118,12 +118,13 @@ def test_int4_recovers_the_files_q4_1_blocks_exactly() -> None:
 @pytest.mark.parametrize("form", ["int8", "int4"])
 def test_packed_layers_equal_their_dequantised_weights(form: str, rows: int) -> None:
     """A packed layer computes x @ W^T over the weights it rounded to: bias added, any leading shape; for
-    300 rows through one bfloat16 product over its unpacked weight (where bfloat16 is native), 6 its kernel."""
+    300 positions a row through one bfloat16 product over its unpacked weight (where bfloat16 is native), for 6
+    its kernel."""
     from attnkit.modules.packed import Int4Linear, Int8Linear, int4_grid
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
-    x = torch.randn(rows // 3, 3, 64, generator=gen)
+    x = torch.randn(2, rows, 64, generator=gen)  # (B, T, in): T picks the product
     if form == "int8":
         layer = Int8Linear(weight, bias)
         dequantised = layer.codes.double() * layer.scale.double()[:, None]  # (48, 64)
@@ -134,7 +135,7 @@ def test_packed_layers_equal_their_dequantised_weights(form: str, rows: int) -> 
         step = scale.double().repeat_interleave(32, 1)  # (48, 2) -> (48, 64)
         dequantised = low.double().repeat_interleave(32, 1) + codes.double() * step
     dense = layer.dense_rows is not None and rows >= layer.dense_rows
-    assert dense == (rows == 300 and _widens_here())  # 300 rows: past both forms' thresholds
+    assert dense == (rows == 300 and _widens_here())  # 300 positions: past both forms' thresholds
     if dense:  # one bfloat16 product over the unpacked weight: the kernel's own weights, rounded to bfloat16 ...
         kernels = layer.matmul(torch.eye(64, dtype=torch.bfloat16)).T  # (64, 48) -> (48, 64): what it multiplies by
         torch.testing.assert_close(layer.dense_weight(), kernels, atol=0, rtol=0)
@@ -177,6 +178,30 @@ def test_the_widened_product_starts_at_its_threshold(form: str, monkeypatch) -> 
     torch.testing.assert_close(layer(short), matmul(short.bfloat16()).float())
     layer(at)
     assert kernel_rows == [layer.dense_rows - 1]
+
+
+@pytest.mark.parametrize("form", ["int8", "int4"])
+@pytest.mark.parametrize("positions", [1, 3, 6])
+def test_a_rows_logits_are_the_same_alone_or_in_any_batch(form: str, positions: int) -> None:
+    """The widened product is chosen by positions per sequence, never by the batch's size: with the switch at 4
+    positions, 5 rows of 1 or 3 positions (15 rows in all) take the kernel as each row alone does, and rows of 6
+    take the widened product alone and together. Bit for bit, so a seeded row samples the same tokens."""
+    from attnkit.models import LlamaConfig, LlamaModel
+    from attnkit.modules.packed import PackedLinear
+    from attnkit.modules.quantize import quantize
+
+    torch.manual_seed(0)
+    model = quantize(LlamaModel(LlamaConfig(vocab_size=48, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                            ffn_size=128, context_length=32)), form)
+    layers = [layer for layer in model.modules() if isinstance(layer, PackedLinear) and layer.form == form]
+    assert layers
+    for layer in layers:
+        layer.dense_rows = 4
+    ids = torch.randint(0, 48, (5, positions))
+    with torch.inference_mode():
+        together = model(ids)  # (5, T, V)
+        for row in range(5):
+            torch.testing.assert_close(model(ids[row : row + 1]), together[row : row + 1], rtol=0, atol=0)
 
 
 def test_packed_layers_keep_their_kernel_where_bfloat16_is_slow_or_the_tiles_unknown(monkeypatch) -> None:

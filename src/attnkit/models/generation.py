@@ -78,7 +78,9 @@ class GenerationOptions:
             with probability >= top_p before sampling.
         seed: an int (row r samples with seed + r), one int per row, or None
             (fresh seeds). A row's tokens depend only on its prompt and seed,
-            never on the other rows of the batch.
+            never on the other rows of the batch (int8 / int4 weights: unless
+            left padding takes its prompt past their bfloat16 product's
+            threshold, :mod:`attnkit.modules.packed`).
         stop_ids: ids that end a row (kept in the output, then pad ids);
             None = the model's end-of-turn / end-of-text ids, [] = never stop early.
         compile: run each decoding step as one compiled graph over static

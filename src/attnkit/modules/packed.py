@@ -18,14 +18,20 @@ hand-written) and keeps the float32 interface of ``nn.Linear``:
 Every packed layer is an op ``torch.compile`` captures. The int8 and int4
 kernels take bfloat16 activations: their float32 path measured 4-25x slower
 on this project's CPU (BENCHMARKS.md), so those layers round their input to
-bfloat16 and return float32. Given many rows at once (a prompt), where
-bfloat16 arithmetic is native, the int8 and int4 layers instead widen their
-weight to bfloat16 for that call and run one bfloat16 matrix product
-(oneDNN): from 64 rows (int8) or 256 (int4, whose unpacking costs more) this
-measured faster than their kernels, 2.3-2.8x at 4,000 rows (a 4,000-token
-prompt: 1.4-1.5x faster prefill end to end; BENCHMARKS.md, round seven). The
-weight is rounded to bfloat16 on the way (relative error 2^-9, the size of
-the input's own rounding).
+bfloat16 and return float32. Given many positions of a sequence at once (a
+prompt), where bfloat16 arithmetic is native, the int8 and int4 layers
+instead widen their weight to bfloat16 for that call and run one bfloat16
+matrix product (oneDNN): from 64 positions (int8) or 256 (int4, whose
+unpacking costs more) this measured faster than their kernels, 2.3-2.8x at
+4,000 rows (a 4,000-token prompt: 1.4-1.5x faster prefill end to end;
+BENCHMARKS.md, round seven). The weight is rounded to bfloat16 on the way
+(relative error 2^-9, the size of the input's own rounding), so the two
+paths differ in the last bits. The choice counts positions per sequence (an
+input's second-to-last dimension), never the batch: a row's product is the
+same alone or beside any other rows of its length, and every decoding step
+(one position per row, however many rows) takes the kernel. A prompt
+left-padded to a batch's longest one can cross the threshold where it alone
+would not.
 
 Packed layers are for inference: a backward through one, a conversion to
 another dtype or device, and (for fbgemm's opaque float16 matrix) saving,
@@ -69,7 +75,7 @@ class PackedLinear(nn.Module):
 
     form = "packed"
     compute = torch.bfloat16  # the dtype the kernel reads its input in
-    dense_rows: int | None = None  # from this many rows on, F.linear over dense_weight() (None: never)
+    dense_rows: int | None = None  # from this many positions per sequence, F.linear over dense_weight() (None: never)
     bias: Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: Tensor | None) -> None:
@@ -95,7 +101,8 @@ class PackedLinear(nn.Module):
 
     def _product(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.compute)  # (..., in) -> (M, in)
-        if self.dense_rows is not None and rows.shape[0] >= self.dense_rows:
+        positions = x.shape[-2] if x.dim() > 1 else 1  # per sequence: the batch's size never picks the path
+        if self.dense_rows is not None and positions >= self.dense_rows:
             out = F.linear(rows, self.dense_weight())  # (M, in) -> (M, out): one GEMM, the weight unpacked for it
         else:
             out = self.matmul(rows)  # (M, in) -> (M, out)
