@@ -40,7 +40,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
-from attnkit.modules.kv_cache import Cache, KVCache, check_storage_dtype
+from attnkit.modules.kv_cache import Cache, KVCache, StaticKVCache, check_storage_dtype
 
 from .sampling import Sampler, row_seeds
 from .streaming import SinkSpec
@@ -84,7 +84,9 @@ class GenerationOptions:
         stop_ids: ids that end a row (kept in the output, then pad ids);
             None = the model's end-of-turn / end-of-text ids, [] = never stop early.
         compile: run each decoding step as one compiled graph over static
-            caches (the first call compiles: seconds; later ones reuse it).
+            caches (the first call compiles: tens of seconds for SmolLM2;
+            later calls with the same cache size, prompt + max_new_tokens,
+            and the same sampling settings reuse it, others compile again).
         cache: "full" (default: the model's caches, every position kept) or
             "sink:SINKS,WINDOW[,CHUNK]" (a :class:`SinkSpec`): attention sinks
             and a recent window in constant memory, with no limit on new
@@ -299,15 +301,22 @@ def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | 
 
 
 _COMPILED: dict[int, Callable[..., DecodeState]] = {}
+RECOMPILE_LIMIT = 256  # graphs of the decoding step kept: one per cache size and sampling setting met
 
 
 def _step_function(model: CausalLM, compiled: bool) -> Callable[..., DecodeState]:
-    """decode_step, or its compiled graph (one per model, reused by later calls)."""
+    """decode_step, or its compiled graphs (one per model, reused by later calls).
+
+    Each new cache size (prompt + max_new_tokens) or sampling setting compiles
+    another graph; dynamo's default limit of 8 per function made the ninth a
+    hard error under ``fullgraph`` (a chat's ninth turn), so the step raises it.
+    """
     if not compiled:
         return decode_step
     if id(model) not in _COMPILED:
         _COMPILED.clear()  # keep one: a graph holds its model alive
-        _COMPILED[id(model)] = torch.compile(decode_step, fullgraph=True)
+        graph = torch.compile(decode_step, fullgraph=True)
+        _COMPILED[id(model)] = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)(graph)
     return _COMPILED[id(model)]
 
 
@@ -377,6 +386,8 @@ def _prefill(model: CausalLM, ids: Tensor, positions: Tensor | None, caches: Seq
             raise TypeError(f"compile=True copies the prompt from the model's growing caches into its static ones: "
                             f"new_caches() must give KVCache, got {type(held).__name__}")
         static.update(held.keys, held.values, at)  # (B, G, T, D) into slots at (B, T)
+        if isinstance(static, StaticKVCache):
+            static.take_owner(held)
     return logits
 
 

@@ -184,6 +184,11 @@ class _Ownership:
         before, self._owner = self._owner, id(owner)
         return before
 
+    def take_owner(self, other: _Ownership) -> None:
+        """Belong to the layer ``other`` belongs to (a static cache filled from that layer's growing one, so the
+        compiled step finds it claimed from its first call: a first claim in the graph compiled it twice)."""
+        self._owner = other._owner
+
 
 def _refuse_repeats(last: Tensor, positions: Tensor) -> None:
     """New positions must come after ``last`` (B,), the highest position each row holds (-1: none)."""
@@ -530,7 +535,8 @@ class StaticKVCache(_Ownership):
         assert self.k is not None and self.v is not None and self.positions is not None
         self._check(k, v, positions)
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
-        slots = positions.masked_fill(positions < 0, self.capacity)  # (B, T): padding goes to the spare slot
+        spare = self.k.shape[2] - 1  # = capacity, read from the storage: one compiled graph serves every capacity
+        slots = positions.masked_fill(positions < 0, spare)  # (B, T): padding goes to the spare slot
         self.k[rows, :, slots] = k.transpose(1, 2).to(self.k.dtype)  # (B, G, T, D) -> (B, T, G, D) into slots (B, T)
         self.v[rows, :, slots] = v.transpose(1, 2).to(self.v.dtype)
         self.positions[rows, slots] = positions  # the spare slot stays -1
