@@ -193,6 +193,17 @@ def test_a_compiled_contender_runs_the_compiled_step_and_warms_up_on_the_case_it
 
 
 @pytest.mark.parametrize(("options", "message"), [
+    (Options(suite="generate", batch=[1, 4, 8]), "one batched case: --batch takes 1 (the batch-1 cases) and one other "
+                                                 "size, got --batch 1,4,8"),
+    (Options(suite="generate", warmup=5), "leave --warmup out, got --warmup 5"),
+])
+def test_options_the_suite_would_drop_are_refused(options: Options, message: str):
+    """--batch 4,8 ran batch 8 only and --warmup was accepted and never read: both silently."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GenerateSuite.from_options(options)
+
+
+@pytest.mark.parametrize(("options", "message"), [
     (Options(suite="generate", dtype="bfloat16"), "keeps float32 activations"),
     (Options(suite="generate", contenders=["attnkit"]), "--forms"),
     (Options(suite="generate", forms=["int3"]), "unknown weight form 'int3'; known: float32, float16, int8, int4"),
@@ -243,6 +254,43 @@ def test_a_fresh_process_measurement_counts_from_the_given_start():
     result = llamacpp.measure_process(lambda: bytearray(1 << 20), lambda buffer: bytes(buffer), started)
     assert result["load_s"] >= 5
     assert result["generate_peak_mib"] >= result["loaded_rss_mib"] > 0
+
+
+def test_missing_transformers_is_skipped_with_a_row_before_anything_loads(monkeypatch: pytest.MonkeyPatch):
+    """It aborted the run while loading contenders; now a skipped row says how to install it or leave it out."""
+    from attnkit.bench import generate
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    monkeypatch.setattr(generate, "_tokenizer", lambda spec: (None, 8192))
+    loaded: list[list[str]] = []
+    monkeypatch.setattr(generate, "_timed_rows", lambda names, *_: loaded.append(names) or [])
+    rows = generate._run(GenerateSuite(forms=("float32",), lengths=(8,), batch=0, new_tokens=3, repeats=1,
+                                       llamacpp=(), memory=False), lambda _: None)
+    (skipped,) = [r for r in rows if r["kind"] == "skipped"]
+    assert skipped["contender"] == "transformers-float32"
+    assert "pip install 'attnkit[hf]'" in skipped["reason"] and "--no-transformers" in skipped["reason"]
+    assert loaded == [["attnkit-float32"]] and rows[0]["transformers"] == "not installed"
+
+
+def test_the_report_records_the_threads_the_suite_ran_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """results.json's environment said the caller's thread count (restored after the suite), not --threads."""
+    import json
+
+    from attnkit.bench import command
+
+    monkeypatch.setitem(command.ROW_SUITES, "generate", lambda options: [{"kind": "note", "text": "stub"}])
+    monkeypatch.setitem(command.ROW_PLOTS, "generate", lambda rows, out: [])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # the caller's count
+    command.run(Options(suite="generate", threads=1, out=str(tmp_path)), console=_quiet_console())
+    assert json.loads((tmp_path / "results.json").read_text())["environment"]["threads"] == 1
+
+
+def _quiet_console():  # type: ignore[no-untyped-def]
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO())
 
 
 @pytest.mark.slow

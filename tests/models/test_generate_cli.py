@@ -211,3 +211,4 @@ def test_a_slow_dtype_is_one_warning_line(tiny: str, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "warning:" in line]
     assert len(lines) == 1 and "float32" in lines[0] and "SlowDtypeWarning" not in err
+    assert ": bfloat16 weights, bfloat16 compute" in err  # plain weights in --dtype, not "float32 weights"

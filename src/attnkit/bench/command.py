@@ -98,7 +98,7 @@ def _ring(options: Options) -> list[Row]:
 def _serve(options: Options) -> list[Row]:
     from .serve import run_serve_suite
 
-    return run_serve_suite()
+    return run_serve_suite(threads=options.threads)
 
 
 def _mods(options: Options) -> list[Row]:
@@ -115,6 +115,7 @@ def _streaming(options: Options) -> list[Row]:
 
 ROW_SUITES: dict[str, Callable[[Options], list[Row]]] = {"generate": _generate, "ring": _ring, "serve": _serve,
                                                          "mods": _mods, "streaming": _streaming}
+THREADED_SUITES = ("generate", "mods", "serve", "streaming")  # row suites that run at --threads, not the caller's
 
 
 def _generate_plot(rows: list[Row], out: Path) -> list[Path]:
@@ -288,6 +289,8 @@ def run(options: Options, console: Any = None) -> list[Path]:
     console = _console() if console is None else console
     plain = require("rich.text", "attnkit bench").Text  # paths and messages are data, never markup
     env = runner.environment(options.device, options.dtype)
+    if options.suite in THREADED_SUITES:
+        env["threads"] = options.threads  # what the suite sets while it runs (torch's count is restored after)
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     if options.suite in ROW_SUITES:

@@ -326,6 +326,7 @@ class GenerateSuite:
         llama.cpp and the load-time and memory processes (CPU measurements).
         """
         cpu = device_type(options.device) == "cpu"
+        _check_generate_options(options)
         if cpu and options.dtype != "float32":
             raise ValueError(f"the generate suite keeps float32 activations (got --dtype {options.dtype}); its "
                              "weight forms are chosen with --forms (--device cuda runs in --dtype)")
@@ -337,6 +338,9 @@ class GenerateSuite:
             raise ValueError(f"unknown --model {model!r}; choose from: {', '.join(MODELS)}")
         spec = MODELS[model]
         batch = options.batch or ([1, spec.batch] if spec.batch else [1])
+        if len({b for b in batch if b != 1}) > 1:
+            raise ValueError(f"the generate suite has one batched case: --batch takes 1 (the batch-1 cases) and "
+                             f"one other size, got --batch {','.join(map(str, batch))}")
         fa = {"off": ("off",), "on": ("on",), "both": ("off", "on")}[options.llamacpp_fa]
         forms = options.forms or (spec.default_forms() if cpu else (PLAIN,))
         return cls.for_model(model, forms=tuple(forms),  # on CUDA: no llama.cpp, no load/memory processes
@@ -358,10 +362,17 @@ class GenerateSuite:
                 **{f"attnkit-{label[f]}{COMPILED}": f for f in self.compiled},
                 **{f"attnkit-{f}{KV8}": f for f in self.kv_int8}}
 
-    def names(self, llamacpp_installed: bool) -> list[str]:
+    def names(self, llamacpp_installed: bool, transformers_installed: bool = True) -> list[str]:
         """The contenders of this run, in order."""
-        names = [*self.attnkit_names()] + ([f"transformers-{self.dtype}"] if self.transformers else [])
-        return names + ([FLASH_ATTN[fa] for fa in self.llamacpp] if llamacpp_installed else [])
+        hf = [f"transformers-{self.dtype}"] if self.transformers and transformers_installed else []
+        return [*self.attnkit_names(), *hf] + ([FLASH_ATTN[fa] for fa in self.llamacpp] if llamacpp_installed else [])
+
+
+def _check_generate_options(options: Any) -> None:
+    """Options of ``attnkit bench`` that the generate suite does not read, refused rather than ignored."""
+    if options.warmup != 1:
+        raise ValueError(f"the generate suite warms each contender up on each case itself (one untimed round); "
+                         f"leave --warmup out, got --warmup {options.warmup}")
 
 
 def device_type(device: str) -> str:
@@ -619,15 +630,19 @@ def _process_rows(names: list[str], tokenizer: Any, suite: GenerateSuite, say: C
     return rows
 
 
+def _transformers_version() -> str | None:
+    """transformers' version, or None where it does not import."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return str(transformers.__version__)
+
+
 def _env_row(suite: GenerateSuite, llama_missing: str | None) -> Row:
     """What the run ran on: device and dtype (a GPU's name, CUDA's version), threads, versions, the CPU (name
     and capability), attnkit's default form there and llama.cpp's build."""
-    try:
-        import transformers
-
-        hf_version = transformers.__version__
-    except ImportError:
-        hf_version = "not installed"
+    hf_version = _transformers_version() or "not installed"
     where: Row = {"device": suite.device, "dtype": suite.dtype}
     if suite.on_cpu:
         where["default_form"] = suite.spec.default_form()
@@ -727,10 +742,16 @@ def _run(suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
     if missing is not None:
         say(missing)
         rows += [{"kind": "skipped", "contender": FLASH_ATTN[fa], "reason": missing} for fa in suite.llamacpp]
+    hf_installed = not suite.transformers or _transformers_version() is not None
+    if not hf_installed:
+        reason = ("transformers skipped: the optional package 'transformers' is not installed: pip install "
+                  "'attnkit[hf]' (--no-transformers leaves it out)")
+        say(reason)
+        rows.append({"kind": "skipped", "contender": f"transformers-{suite.dtype}", "reason": reason})
     if not suite.spec.batch:
         rows.append({"kind": "note", "text": f"{suite.spec.title}: batch 1 only; the batched case and the "
                      "load-time and memory processes are not measured for this model"})
-    names = suite.names(missing is None)
+    names = suite.names(missing is None, hf_installed)
     if not names:
         raise ValueError("no contender to run: choose at least one weight form, transformers or llama.cpp")
     tokenizer, context_length = _tokenizer(suite.spec)

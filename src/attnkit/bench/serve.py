@@ -214,18 +214,26 @@ def _offline(clients: int, weights: str) -> dict[str, float]:
             "tokens_per_s": out[:, width:].numel() / wall}
 
 
+def served_form() -> str:
+    """The weight form ``attnkit serve`` loads SmolLM2 in by default (weights="auto": the fastest of the forms
+    measured accurate on it that this CPU runs)."""
+    from attnkit.models.llama import LlamaModel
+    from attnkit.modules.quantize import default_form
+
+    return default_form(LlamaModel.accurate_forms)
+
+
 def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | None = None,
                     threads: int = 2) -> list[dict[str, Any]]:
     """Every contender at every N, interleaved by N; rows for the report, then the targets."""
     import tempfile
 
     from attnkit.models.loader import smollm2_path
-    from attnkit.modules.quantize import default_form
 
     from .runner import cpu_record
 
     work = Path(workdir or tempfile.mkdtemp(prefix="attnkit-serve-bench-"))
-    weights = default_form()  # what attnkit serve runs by default: the ceiling uses the same
+    weights = served_form()  # the ceiling runs what attnkit serve runs
     env = {"threads": threads, **cpu_record()}
     rows: list[dict[str, Any]] = []
     per_position = _kv_bytes_per_position(4)

@@ -171,7 +171,8 @@ def _load(args: argparse.Namespace, console: Any) -> DecoderModel:
         with warnings.catch_warnings(record=True) as slow:  # said in one line below, not as Python's warning
             warnings.simplefilter("always", SlowDtypeWarning)
             model = load_gguf(path, dtype=getattr(torch, args.dtype), progress=report, weights=asked)
-    weights = weight_form(model)
+    weights = weight_form(model)  # "float32" when nothing was swapped: the weights are then in --dtype
+    weights = args.dtype if weights == "float32" else weights
     kv = args.kv_dtype if args.kv_dtype != "float32" else args.dtype
     _note(console, f"{path}: {weights} weights, {args.dtype} compute, {kv} KV cache "
                    f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
