@@ -20,7 +20,6 @@ import torch
 from attnkit.bench import llamacpp
 from attnkit.bench.command import Options, add_arguments
 from attnkit.bench.generate import (
-    GEMMA3_LENGTHS,
     MODELS,
     GenerateSuite,
     format_rows,
@@ -31,6 +30,7 @@ from attnkit.bench.generate import (
     run_generate_suite,
 )
 from attnkit.bench.generate import _rounds as rounds
+from attnkit.bench.generate_contenders import GEMMA3_LENGTHS
 from tests._util import need
 from tests.models._decoder import need_smollm2, smollm2
 
@@ -162,14 +162,14 @@ def test_options_choose_cases_and_contenders():
 def test_an_int8_cache_contender_generates_with_kv_dtype_int8_and_loads_its_form(monkeypatch: pytest.MonkeyPatch):
     """attnkit-<form>-kv8 loads <form> and passes kv_dtype="int8" to the loop; the plain contender passes None."""
     import attnkit.models.generation as generation
-    from attnkit.bench import generate
+    from attnkit.bench import generate_contenders as contenders
 
     loaded, calls = [], []
-    monkeypatch.setitem(generate.MODELS, "smollm2", replace(
-        generate.MODELS["smollm2"], load=lambda form, dtype: loaded.append(form) or object()))
+    monkeypatch.setitem(contenders.MODELS, "smollm2", replace(
+        contenders.MODELS["smollm2"], load=lambda form, dtype: loaded.append(form) or object()))
     monkeypatch.setattr(generation, "generate_steps", lambda model, ids, **kw: calls.append(kw) or iter([0, 1]))
     for name in ("attnkit-int4-kv8", "attnkit-int4"):
-        generate._load("smollm2", name, context=64, threads=1).single([1, 2, 3], 2)
+        contenders.load_contender("smollm2", name, context=64, threads=1).single([1, 2, 3], 2)
     assert loaded == ["int4", "int4"]
     assert [kw["kv_dtype"] for kw in calls] == ["int8", None]
 
@@ -481,13 +481,15 @@ class _Events:
     """A log of synchronisations and clock reads, for the generate module's clock and torch.cuda.synchronize."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from attnkit.bench import generate
+        from attnkit.bench import generate_contenders
 
         self.log: list[str] = []
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.log.append("sync"))
-        monkeypatch.setattr(generate, "time", SimpleNamespace(perf_counter=lambda: self.log.append("clock") or 0.0))
+        monkeypatch.setattr(generate_contenders, "time",
+                            SimpleNamespace(perf_counter=lambda: self.log.append("clock") or 0.0))
         # a (B, T) tensor on the CPU stands in for one on the GPU, which this machine may not have
-        monkeypatch.setattr(generate, "token_ids", lambda rows, device: torch.tensor([list(r) for r in rows]))
+        monkeypatch.setattr(generate_contenders, "token_ids",
+                            lambda rows, device: torch.tensor([list(r) for r in rows]))
 
     def every_clock_follows_a_sync(self) -> bool:
         return all(i > 0 and self.log[i - 1] == "sync" for i, e in enumerate(self.log) if e == "clock")
@@ -496,7 +498,7 @@ class _Events:
 def test_on_cuda_attnkit_reads_every_clock_after_a_synchronize(monkeypatch: pytest.MonkeyPatch):
     """Without it the clock would time the kernel launches, not the work: the first token would look instant."""
     import attnkit.models.generation as generation
-    from attnkit.bench import generate
+    from attnkit.bench import generate_contenders as contenders
 
     events = _Events(monkeypatch)
 
@@ -506,16 +508,16 @@ def test_on_cuda_attnkit_reads_every_clock_after_a_synchronize(monkeypatch: pyte
             yield ids[:, 0]
 
     monkeypatch.setattr(generation, "generate_steps", steps)
-    generate.Attnkit(model=None, device="cuda").single(list(range(4)), 3)
+    contenders.Attnkit(model=None, device="cuda").single(list(range(4)), 3)
     assert events.log == ["sync", "clock", "token", "sync", "clock", "token", "token", "sync", "clock"]
     model = SimpleNamespace(generate=lambda *a, **kw: events.log.append("generate"))
     events.log.clear()
-    generate.Attnkit(model=model, device="cuda").batch([[1, 2], [3, 4]], 2)
+    contenders.Attnkit(model=model, device="cuda").batch([[1, 2], [3, 4]], 2)
     assert events.log == ["sync", "clock", "generate", "sync", "clock"]
 
 
 def test_on_cuda_transformers_reads_every_clock_after_a_synchronize(monkeypatch: pytest.MonkeyPatch):
-    from attnkit.bench import generate
+    from attnkit.bench import generate_contenders as contenders
 
     events = _Events(monkeypatch)
 
@@ -524,7 +526,7 @@ def test_on_cuda_transformers_reads_every_clock_after_a_synchronize(monkeypatch:
         for _ in range(max_new_tokens + 1 if streamer is not None else 0):  # the prompt, then each new token
             streamer.put(ids)  # type: ignore[attr-defined]
 
-    contender = generate.Transformers(SimpleNamespace(generate=hf_generate), device="cuda")
+    contender = contenders.Transformers(SimpleNamespace(generate=hf_generate), device="cuda")
     contender.single([1, 2, 3], 2)
     assert events.log.count("clock") == 4 and events.every_clock_follows_a_sync()  # the start and 3 puts
     events.log.clear()
@@ -534,12 +536,12 @@ def test_on_cuda_transformers_reads_every_clock_after_a_synchronize(monkeypatch:
 
 def test_on_the_cpu_nothing_synchronises(monkeypatch: pytest.MonkeyPatch):
     """CPU runs keep working on a PyTorch built without CUDA (where synchronize would raise)."""
-    from attnkit.bench import generate
+    from attnkit.bench import generate_contenders as contenders
 
     events = _Events(monkeypatch)
     model = SimpleNamespace(generate=lambda *a, **kw: None)
-    generate.Attnkit(model=model).batch([[1, 2]], 2)
-    generate.Transformers(model).batch([[1, 2]], 2)
+    contenders.Attnkit(model=model).batch([[1, 2]], 2)
+    contenders.Transformers(model).batch([[1, 2]], 2)
     assert "sync" not in events.log and events.log.count("clock") == 4
 
 
@@ -549,7 +551,7 @@ def test_the_cuda_path_end_to_end_on_the_cpu(monkeypatch: pytest.MonkeyPatch, tm
     targets but a note saying why, the GPU's name and the dtype in the env row."""
     need("gguf")
     import attnkit.bench.command as command
-    from attnkit.bench import generate
+    from attnkit.bench import generate, generate_contenders
     from attnkit.models import load_gguf
     from tests.models._decoder import write_tiny_llama
 
@@ -563,7 +565,8 @@ def test_the_cuda_path_end_to_end_on_the_cpu(monkeypatch: pytest.MonkeyPatch, tm
 
     monkeypatch.setitem(generate.MODELS, "smollm2", replace(MODELS["smollm2"], path=lambda: path, load=load))
     real = generate.device_type
-    monkeypatch.setattr(generate, "device_type", lambda device: "cuda" if device == "cpu" else real(device))
+    for module in (generate, generate_contenders):  # the suite's checks and the contenders' clocks
+        monkeypatch.setattr(module, "device_type", lambda device: "cuda" if device == "cpu" else real(device))
     syncs: list[object] = []
     monkeypatch.setattr(torch.cuda, "synchronize", syncs.append)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
