@@ -16,3 +16,16 @@ def test_the_ceiling_runs_the_form_attnkit_serve_loads(monkeypatch: pytest.Monke
     assert served_form() == "int4"
     monkeypatch.setattr(quantize, "available_forms", lambda: ("float32", "int8"))
     assert served_form() == "float32"
+
+
+def test_the_ceiling_runs_on_the_servers_threads_and_restores_the_callers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It ran at the caller's count while its rows said --threads."""
+    import torch
+
+    from attnkit.bench import serve
+
+    seen: list[int] = []
+    monkeypatch.setattr(serve, "_offline_run", lambda clients, weights: seen.append(torch.get_num_threads()) or {})
+    before = torch.get_num_threads()
+    serve._offline(1, "float32", threads=1 if before != 1 else 2)
+    assert seen == [1 if before != 1 else 2] and torch.get_num_threads() == before

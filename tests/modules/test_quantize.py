@@ -174,10 +174,11 @@ def test_the_widened_product_starts_at_its_threshold(form: str, monkeypatch) -> 
     kernel_rows: list[int] = []
     matmul = layer.matmul
     monkeypatch.setattr(layer, "matmul", lambda x: kernel_rows.append(x.shape[0]) or matmul(x))
-    short, at = torch.randn(layer.dense_rows - 1, 64), torch.randn(layer.dense_rows, 64)
-    torch.testing.assert_close(layer(short), matmul(short.bfloat16()).float())
+    short, at = torch.randn(1, layer.dense_rows - 1, 64), torch.randn(1, layer.dense_rows, 64)  # (1, T, in)
+    torch.testing.assert_close(layer(short)[0], matmul(short[0].bfloat16()).float())
     layer(at)
-    assert kernel_rows == [layer.dense_rows - 1]
+    layer(torch.randn(layer.dense_rows, 64))  # 2-D: that many sequences of one position (a decoding step's head)
+    assert kernel_rows == [layer.dense_rows - 1, layer.dense_rows]
 
 
 @pytest.mark.parametrize("form", ["int8", "int4"])
@@ -200,8 +201,11 @@ def test_a_rows_logits_are_the_same_alone_or_in_any_batch(form: str, positions: 
     ids = torch.randint(0, 48, (5, positions))
     with torch.inference_mode():
         together = model(ids)  # (5, T, V)
+        last = model.step(ids, None, model.new_caches())  # (5, V): the head reads (B, C), as when decoding
         for row in range(5):
             torch.testing.assert_close(model(ids[row : row + 1]), together[row : row + 1], rtol=0, atol=0)
+            alone = model.step(ids[row : row + 1], None, model.new_caches())  # (1, V)
+            torch.testing.assert_close(alone, last[row : row + 1], rtol=0, atol=0)
 
 
 def test_packed_layers_keep_their_kernel_where_bfloat16_is_slow_or_the_tiles_unknown(monkeypatch) -> None:

@@ -108,6 +108,7 @@ def test_a_quantized_model_keeps_float32_and_the_cpu(form: str) -> None:
         before = model(IDS)
         torch.testing.assert_close(model.float()(IDS), before, rtol=0, atol=0)  # float32: nothing to change
         torch.testing.assert_close(model.to("cpu", torch.float32)(IDS), before, rtol=0, atol=0)
+    assert model.embed.table.dtype == torch.float16  # .float() kept the table in half the bytes
     packed = next(m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear) if form != "float16"
                                                              else Float16Linear))
     with pytest.raises(ValueError, match=rf"{form} weights computes in float32 and cannot be converted to "

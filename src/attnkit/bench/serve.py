@@ -192,8 +192,20 @@ def _kv_bytes_per_position(dtype_bytes: int) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
-def _offline(clients: int, weights: str) -> dict[str, float]:
-    """attnkit's batched generate of the same N prompts in the served weight form: the ceiling."""
+def _offline(clients: int, weights: str, threads: int) -> dict[str, float]:
+    """attnkit's batched generate of the same N prompts in the served weight form, on ``threads`` threads (the
+    servers' count; the caller's is restored after): the ceiling."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _offline_run(clients, weights)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _offline_run(clients: int, weights: str) -> dict[str, float]:
     import torch
 
     from attnkit.models import load_smollm2
@@ -266,7 +278,7 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
             rows.append({"kind": "serve", **env, "contender": "llama-server", "clients": n, **result,
                          "kv_mib_per_sequence": positions * _kv_bytes_per_position(2) / 2**20})
         rows.append({"kind": "serve", **env, "contender": "attnkit-generate (offline ceiling)", "clients": n,
-                     "weights": weights, **_offline(n, weights)})
+                     "weights": weights, **_offline(n, weights, threads)})
     return rows + serve_targets(rows)
 
 

@@ -86,7 +86,8 @@ class GenerationOptions:
         compile: run each decoding step as one compiled graph over static
             caches (the first call compiles: tens of seconds for SmolLM2;
             later calls with the same cache size, prompt + max_new_tokens,
-            and the same sampling settings reuse it, others compile again).
+            batch size, sampling settings and stop ids reuse it, others
+            compile again).
         cache: "full" (default: the model's caches, every position kept) or
             "sink:SINKS,WINDOW[,CHUNK]" (a :class:`SinkSpec`): attention sinks
             and a recent window in constant memory, with no limit on new

@@ -6,8 +6,9 @@ tensor operations. So
 
 - a seeded prompt samples the same tokens alone or in any batch, whatever the
   other rows hold (a server batching unrelated requests needs this), given the
-  same logits: packed int8 / int4 layers pick their product by positions per
-  row, never by the batch (:mod:`attnkit.modules.packed`);
+  same logits: a batch's products may round them otherwise in the last bits
+  (about 1e-6 in float32), and packed int8 / int4 layers pick their product by
+  positions per row, never by the batch (:mod:`attnkit.modules.packed`);
 - there is no ``torch.Generator`` state and no host synchronisation, so a
   decoding step that samples compiles with ``torch.compile(fullgraph=True)``.
 

@@ -26,12 +26,13 @@ unpacking costs more) this measured faster than their kernels, 2.3-2.8x at
 4,000 rows (a 4,000-token prompt: 1.4-1.5x faster prefill end to end;
 BENCHMARKS.md, round seven). The weight is rounded to bfloat16 on the way
 (relative error 2^-9, the size of the input's own rounding), so the two
-paths differ in the last bits. The choice counts positions per sequence (an
-input's second-to-last dimension), never the batch: a row's product is the
-same alone or beside any other rows of its length, and every decoding step
-(one position per row, however many rows) takes the kernel. A prompt
-left-padded to a batch's longest one can cross the threshold where it alone
-would not.
+paths differ in the last bits. The choice counts positions per sequence, T
+of a (..., T, in) input, never the batch: a row's product is the same alone
+or beside any other rows of its length. A 2-D input (N, in) is N sequences
+of one position (a decoding step's head reads (B, C)), so every decoding
+step takes the kernel however many rows it holds. A prompt left-padded to a
+batch's longest one, or cut into other chunks by the server, can cross the
+threshold where it alone would not.
 
 Packed layers are for inference: a backward through one, a conversion to
 another dtype or device, and (for fbgemm's opaque float16 matrix) saving,
@@ -101,7 +102,7 @@ class PackedLinear(nn.Module):
 
     def _product(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.compute)  # (..., in) -> (M, in)
-        positions = x.shape[-2] if x.dim() > 1 else 1  # per sequence: the batch's size never picks the path
+        positions = x.shape[-2] if x.dim() > 2 else 1  # per sequence, T of (..., T, in): never the batch's size
         if self.dense_rows is not None and positions >= self.dense_rows:
             out = F.linear(rows, self.dense_weight())  # (M, in) -> (M, out): one GEMM, the weight unpacked for it
         else:
@@ -257,6 +258,15 @@ class Float16Embedding(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return F.embedding(input_ids, self.table).float()  # (...) -> (..., C)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Float16Embedding:
+        """As a packed layer's: ``model.float()`` keeps the table in float16 (it widened it to float32, twice
+        the memory, under a label still saying float16); another dtype or a device is refused; what keeps
+        float16 as it is (``share_memory()``) is applied."""
+        refuse_conversion(self.form, fn)
+        if fn(torch.zeros((), dtype=torch.float16)).dtype == torch.float16:
+            return super()._apply(fn, recurse)
+        return self
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, float16"

@@ -11,7 +11,9 @@ Each :meth:`Engine.step`
 4. runs one forward for every decoding sequence (one token each) and one per
    prompt chunk of a prefilling sequence (within a token budget per step),
 5. samples each sequence with its own options and seed
-   (:mod:`attnkit.models.sampling`: the same tokens as ``generate`` alone),
+   (:mod:`attnkit.models.sampling`: the same tokens as ``generate`` alone, up
+   to the last bits of the logits; int8 / int4 prompts cut into other chunks
+   can round otherwise, :mod:`attnkit.modules.packed`),
    and ends it on a stop id, a stop string, ``max_tokens`` or the context.
 
 The engine runs in a thread of its own (:meth:`Engine.start`); other threads
