@@ -366,10 +366,10 @@ def test_the_compiled_decode_step_equals_the_eager_one(tiny64: Any) -> None:
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_the_compiled_step_compiles_once_per_cache_size_past_dynamos_default_limit(tiny64: Any) -> None:
-    """Nine cache sizes (a chat's nine turns), one graph each: the first step found its static caches unclaimed
-    and compiled a second graph for every later step, and dynamo's limit of 8 per function made the fifth
-    call a hard error under fullgraph."""
+def test_the_compiled_step_compiles_one_graph_for_every_cache_size(tiny64: Any) -> None:
+    """Nine cache sizes (a chat's nine turns), one graph: the first step found its static caches unclaimed and
+    compiled a second graph for every later step, each capacity was a graph of its own (a range() in the band
+    check fixed the key count), and dynamo's limit of 8 per function made the fifth call a hard error."""
     from torch._dynamo.utils import counters
 
     ids = tiny64.tokenize("the sin")["input_ids"]
@@ -377,7 +377,7 @@ def test_the_compiled_step_compiles_once_per_cache_size_past_dynamos_default_lim
     for n in range(2, 11):
         eager = tiny64.generate(ids, max_new_tokens=n, stop_ids=[])
         assert torch.equal(tiny64.generate(ids, max_new_tokens=n, stop_ids=[], compile=True), eager), n
-    assert counters["stats"]["unique_graphs"] - before == 9
+    assert counters["stats"]["unique_graphs"] - before == 1
 
 
 def test_the_decode_step_compiles_without_graph_breaks(tiny64: Any) -> None:

@@ -124,7 +124,8 @@ class AttentionCall:
 
     def band_hides_nothing(self) -> bool:
         """Whether causal / window let every query see every key (e.g. one decoding query)."""
-        return block_visibility(range(self.num_queries), range(self.num_keys), offset=self.offset,
+        # slices, not ranges: under torch.compile range() fixes the key count, one graph per cache size
+        return block_visibility(slice(0, self.num_queries), slice(0, self.num_keys), offset=self.offset,
                                 causal=self.causal, window=self.window) is Visibility.ALL
 
     def dense_mask(self) -> Tensor | None:

@@ -48,10 +48,13 @@ def visible_band(
     return visible
 
 
-def block_visibility(rows: range, cols: range, *, offset: int, causal: bool, window: int | None) -> Visibility:
+def block_visibility(rows: range | slice, cols: range | slice, *, offset: int, causal: bool,
+                     window: int | None) -> Visibility:
     """Whether a (rows x cols) block of the causal/window band is NONE, ALL or SOME visible.
 
-    Lets blocked kernels skip hidden blocks and drop the mask on full ones.
+    Lets blocked kernels skip hidden blocks and drop the mask on full ones. Only
+    ``start`` and ``stop`` are read: a slice keeps sizes symbolic under
+    torch.compile, where ``range()`` would fix them.
     """
     first_i, last_i = rows.start + offset, rows.stop - 1 + offset
     first_j, last_j = cols.start, cols.stop - 1

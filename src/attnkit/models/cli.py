@@ -86,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", nargs="+", help="the text to continue")
     p.add_argument("--compile", action="store_true", help="run each decoding step as one compiled graph "
                    "(torch.compile over static caches): faster decoding, after compiling for tens of seconds "
-                   "(counted in the reported speed; BENCHMARKS.md)")
+                   "once per process (counted in the reported speed; BENCHMARKS.md)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template "
                    "(a user turn) and answer it (not with --model gemma3: a base model has no chat template)")
     _options(p, max_new_tokens=128)

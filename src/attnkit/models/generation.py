@@ -85,9 +85,9 @@ class GenerationOptions:
             None = the model's end-of-turn / end-of-text ids, [] = never stop early.
         compile: run each decoding step as one compiled graph over static
             caches (the first call compiles: tens of seconds for SmolLM2;
-            later calls with the same cache size, prompt + max_new_tokens,
-            batch size, sampling settings and stop ids reuse it, others
-            compile again).
+            the graph serves every cache size, prompt + max_new_tokens;
+            another batch size, sampling setting or set of stop ids
+            compiles again).
         cache: "full" (default: the model's caches, every position kept) or
             "sink:SINKS,WINDOW[,CHUNK]" (a :class:`SinkSpec`): attention sinks
             and a recent window in constant memory, with no limit on new
@@ -302,15 +302,16 @@ def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | 
 
 
 _COMPILED: dict[int, Callable[..., DecodeState]] = {}
-RECOMPILE_LIMIT = 256  # graphs of the decoding step kept: one per cache size and sampling setting met
+RECOMPILE_LIMIT = 256  # graphs of the decoding step kept: one per batch size and sampling setting met
 
 
 def _step_function(model: CausalLM, compiled: bool) -> Callable[..., DecodeState]:
     """decode_step, or its compiled graphs (one per model, reused by later calls).
 
-    Each new cache size (prompt + max_new_tokens) or sampling setting compiles
-    another graph; dynamo's default limit of 8 per function made the ninth a
-    hard error under ``fullgraph`` (a chat's ninth turn), so the step raises it.
+    One graph serves every cache size (the static caches mark their capacity
+    dynamic); a new batch size, sampling setting or set of stop ids compiles
+    another, and dynamo's default limit of 8 per function would make the ninth
+    a hard error under ``fullgraph``, so the step raises it.
     """
     if not compiled:
         return decode_step
@@ -389,6 +390,7 @@ def _prefill(model: CausalLM, ids: Tensor, positions: Tensor | None, caches: Seq
         static.update(held.keys, held.values, at)  # (B, G, T, D) into slots at (B, T)
         if isinstance(static, StaticKVCache):
             static.take_owner(held)
+            static.mark_capacity_dynamic()
     return logits
 
 

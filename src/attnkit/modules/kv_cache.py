@@ -497,6 +497,15 @@ class StaticKVCache(_Ownership):
         last = self.positions.amax(dim=1, keepdim=True)  # (B, 1), -1 when empty
         return last + 1 + torch.arange(length, device=last.device)  # (B, T)
 
+    def mark_capacity_dynamic(self) -> None:
+        """Tell ``torch.compile`` the capacity may change from call to call: one graph then serves caches of
+        every capacity (each capacity compiled a graph of its own: tens of seconds a chat turn)."""
+        import torch._dynamo
+
+        for tensor, dim in ((self.k, 2), (self.v, 2), (self.positions, 1)):
+            if tensor is not None:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
     def _allocate(self, k: Tensor, v: Tensor) -> None:
         b, g, _, d = k.shape
         with torch.inference_mode(False):
