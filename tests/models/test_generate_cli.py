@@ -122,6 +122,22 @@ def test_chat_keeps_the_conversation_and_resets(tiny: str, capsys: pytest.Captur
     assert out[:3] == [first, second, after_reset]
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_chat_compiled_answers_as_eager_and_compiles_once(tiny: str, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every turn has another cache size: one graph serves them all."""
+    from torch._dynamo.utils import counters
+
+    answers = []
+    for extra in ([], ["--compile"]):
+        lines = _typing(["hi", "the", "the sin"])
+        monkeypatch.setattr(builtins, "input", lambda prompt="", lines=lines: next(lines))
+        before = counters["stats"]["unique_graphs"]
+        assert main(["chat", "--gguf", tiny, "--max-new-tokens", "4", *extra]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[1] == answers[0] and counters["stats"]["unique_graphs"] - before == 1
+
+
 @pytest.mark.parametrize("ending", [EOFError, KeyboardInterrupt])
 def test_chat_ends_cleanly_on_ctrl_d_and_ctrl_c(tiny: str, monkeypatch: pytest.MonkeyPatch,
                                                  ending: type[BaseException]) -> None:

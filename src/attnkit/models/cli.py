@@ -71,6 +71,9 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
                    "(also under bfloat16 compute) quarters it and decodes faster at long contexts, slower at short "
                    "ones and on sliding-window layers, keeping fewer of float32's greedy choices (BENCHMARKS.md; "
                    "not with --compile)")
+    p.add_argument("--compile", action="store_true", help="run each decoding step as one compiled graph "
+                   "(torch.compile over static caches): faster decoding, after compiling for tens of seconds "
+                   "once per process, at the first answer (counted in the reported speed; BENCHMARKS.md)")
     p.add_argument("--cache", default="full", metavar="full|sink:SINKS,WINDOW[,CHUNK]",
                    help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
                    "first 4 tokens and a recent window of 1020 (StreamingLLM), in constant memory and with no "
@@ -84,9 +87,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "gemma3: Gemma 3 270M), running on attnkit's attention with a KV cache. Speed is reported "
                        "on stderr; Ctrl-C stops (exit 130).")
     p.add_argument("prompt", nargs="+", help="the text to continue")
-    p.add_argument("--compile", action="store_true", help="run each decoding step as one compiled graph "
-                   "(torch.compile over static caches): faster decoding, after compiling for tens of seconds "
-                   "once per process (counted in the reported speed; BENCHMARKS.md)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template "
                    "(a user turn) and answer it (not with --model gemma3: a base model has no chat template)")
     _options(p, max_new_tokens=128)
