@@ -16,3 +16,15 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def uncached_compile(fresh_dynamo: None) -> Iterator[None]:
+    """torch.compile without Inductor's on-disk caches: a graph loaded from one carries the guards it was
+    compiled with, perhaps by other code (a test counting graphs would count those)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield

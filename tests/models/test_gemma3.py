@@ -220,16 +220,16 @@ def test_a_left_padded_row_generates_what_it_generates_alone(tiny: Path) -> None
     assert together[1, -10:].tolist() == alone[0, -10:].tolist()
 
 
-@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.usefixtures("uncached_compile")
 def test_the_compiled_step_serves_every_cache_size_across_the_window_with_one_graph(tiny: Path) -> None:
     """Local layers (a window of 4) and global ones over static caches whose capacity is symbolic: the same
-    tokens as eager at three cache sizes, from a prompt shorter than the window to one well past it. (SDPA's
-    graph for a capacity of 8 or fewer is another: a second graph once, below that.)"""
+    tokens as eager at four cache sizes, from a prompt shorter than the window to one well past it, on both
+    sides of twice the window (the eager trim of keys no query sees once guarded the graph on it)."""
     from torch._dynamo.utils import counters
 
     model = load(tiny)
     before = counters["stats"]["unique_graphs"]
-    for prompt, n in (("ab", 9), ("hello world 12", 10), ("hello world 12 hello world", 14)):  # caches > 8
+    for prompt, n in (("ab", 3), ("ab", 9), ("hello world 12", 10), ("hello world 12 hello world", 14)):
         ids = model.tokenize(prompt)["input_ids"]
         eager = model.generate(ids, max_new_tokens=n, stop_ids=[])
         assert torch.equal(model.generate(ids, max_new_tokens=n, stop_ids=[], compile=True), eager), prompt

@@ -122,7 +122,7 @@ def test_chat_keeps_the_conversation_and_resets(tiny: str, capsys: pytest.Captur
     assert out[:3] == [first, second, after_reset]
 
 
-@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.usefixtures("uncached_compile")
 def test_chat_compiled_answers_as_eager_and_compiles_once(tiny: str, capsys: pytest.CaptureFixture[str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Every turn has another cache size: one graph serves them all."""

@@ -365,7 +365,7 @@ def test_the_compiled_decode_step_equals_the_eager_one(tiny64: Any) -> None:
         assert torch.equal(compiled, eager), options
 
 
-@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.usefixtures("uncached_compile")
 def test_the_compiled_step_compiles_one_graph_for_every_cache_size(tiny64: Any) -> None:
     """Nine cache sizes (a chat's nine turns), one graph: the first step found its static caches unclaimed and
     compiled a second graph for every later step, each capacity was a graph of its own (a range() in the band

@@ -307,7 +307,8 @@ class MultiHeadAttention(AttentionHeads):
             return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights,
                                modifiers=mods, positions=(q_pos, k_pos))
         band = position_mask(q_pos, k_pos, causal=self.causal, window=self.window)  # (B, 1, T, S)
-        if w is not None and s > 2 * w and not torch.compiler.is_compiling():
+        # compiling first: s > 2 * w on a symbolic key count would split the compiled step's graph in two
+        if not torch.compiler.is_compiling() and w is not None and s > 2 * w:
             first = int(band.any(dim=(0, 1, 2)).int().argmax())  # the first key any query may see (one sync)
             k, v, band, key_mask = k[:, :, first:], v[:, :, first:], band[..., first:], _keys_from(key_mask, first)
         return self.attend(q, k, v, key_mask=key_mask, attn_mask=attn_mask, need_weights=need_weights, band=band,
