@@ -81,7 +81,7 @@ from .generate_contenders import (
     prompt_ids,
 )
 from .generate_report import format_rows, gemma3_targets, generate_targets, plot
-from .runner import cpu_record
+from .runner import cpu_record, torch_threads
 
 __all__ = ["MODELS", "BenchModel", "GenerateSuite", "format_rows", "gemma3_targets", "generate_targets", "plot",
            "run_generate_suite"]
@@ -367,10 +367,9 @@ def _transformers_version() -> str | None:
     return str(transformers.__version__)
 
 
-def _env_row(suite: GenerateSuite, llama_missing: str | None) -> Row:
+def _env_row(suite: GenerateSuite, llama_missing: str | None, hf_version: str | None) -> Row:
     """What the run ran on: device and dtype (a GPU's name, CUDA's version), threads, versions, the CPU (name
     and capability), attnkit's default form there and llama.cpp's build."""
-    hf_version = _transformers_version() or "not installed"
     where: Row = {"device": suite.device, "dtype": suite.dtype}
     if suite.on_cpu:
         where["default_form"] = suite.spec.default_form()
@@ -378,7 +377,7 @@ def _env_row(suite: GenerateSuite, llama_missing: str | None) -> Row:
         where |= {"gpu": torch.cuda.get_device_name(torch.device(suite.device)), "cuda": torch.version.cuda}
     return {"kind": "env", "model": suite.model, **where, "threads": suite.threads, "torch": torch.__version__,
             **cpu_record(), "forms": ",".join(suite.forms),
-            "new_tokens": suite.new_tokens, "repeats": suite.repeats, "transformers": hf_version,
+            "new_tokens": suite.new_tokens, "repeats": suite.repeats, "transformers": hf_version or "not installed",
             "llama_cpp": ("not run off the CPU" if not suite.on_cpu else
                           "not installed" if llama_missing is not None else llamacpp.version()),
             "cpu_count": os.cpu_count(), "load_average_start": _load_average()}
@@ -421,12 +420,8 @@ def run_generate_suite(suite: GenerateSuite | None = None, log: Callable[[str], 
         from .command import check_device
 
         check_device(suite.device)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(suite.threads)
-    try:
+    with torch_threads(suite.threads):
         return _run(suite, log or (lambda _: None))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _timed_rows(names: list[str], tokenizer: Any, context: int, suite: GenerateSuite,
@@ -466,11 +461,12 @@ def _cpu_only_rows(suite: GenerateSuite) -> list[Row]:
 
 def _run(suite: GenerateSuite, say: Callable[[str], None]) -> list[Row]:
     missing = llamacpp.missing_reason() if suite.llamacpp else None
-    rows: list[Row] = [_env_row(suite, missing)] + ([] if suite.on_cpu else _cpu_only_rows(suite))
+    hf_version = _transformers_version()
+    rows: list[Row] = [_env_row(suite, missing, hf_version)] + ([] if suite.on_cpu else _cpu_only_rows(suite))
     if missing is not None:
         say(missing)
         rows += [{"kind": "skipped", "contender": FLASH_ATTN[fa], "reason": missing} for fa in suite.llamacpp]
-    hf_installed = not suite.transformers or _transformers_version() is not None
+    hf_installed = not suite.transformers or hf_version is not None
     if not hf_installed:
         reason = ("transformers skipped: the optional package 'transformers' is not installed: pip install "
                   "'attnkit[hf]' (--no-transformers leaves it out)")

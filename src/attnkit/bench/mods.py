@@ -58,7 +58,7 @@ from torch import Tensor
 from attnkit.backends import attention
 from attnkit.functional.modifiers import alibi, and_masks, causal, document_mask, sliding_window, softcap
 
-from .runner import cpu_record
+from .runner import cpu_record, torch_threads
 
 Row = dict[str, Any]
 Output = Tensor | tuple[Tensor, ...]
@@ -447,17 +447,13 @@ def run_mods_suite(suite: ModsSuite | None = None, log: Callable[[str], None] | 
     targets they decide."""
     suite = suite or ModsSuite()
     say = log or (lambda _: None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(suite.threads)
-    try:
+    with torch_threads(suite.threads):
         rows = [_env_row(suite)]
         cases = [BUILDERS[name](suite) for name in suite.cases]
         rows += [{"kind": "contenders", "case": case.name, "contender": c.key, "call": c.call,
                   "checked_against": c.same_as or "(reference)"} for case in cases for c in case.contenders]
         for case in cases:
             rows += run_case(case, repeats=suite.repeats, warmup=suite.warmup, log=say)
-    finally:
-        torch.set_num_threads(threads)
     rows[0]["load_end"] = _load_average()
     return rows + mods_targets(rows, suite)
 

@@ -20,7 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,18 @@ class Result:
                 "times_ms": self.times_ms, "median_ms": self.median_ms if ok else None,
                 "min_ms": min(self.times_ms) if ok else None, "max_ms": max(self.times_ms) if ok else None,
                 "peak_mib": self.peak_mib, "flops": self.flops, "gflops": self.gflops if ok else None}
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's CPU threads set to ``threads`` inside the block, the caller's count restored after (the row
+    suites run at ``--threads``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _sync(device: str) -> None:

@@ -195,14 +195,10 @@ def _kv_bytes_per_position(dtype_bytes: int) -> int:
 def _offline(clients: int, weights: str, threads: int) -> dict[str, float]:
     """attnkit's batched generate of the same N prompts in the served weight form, on ``threads`` threads (the
     servers' count; the caller's is restored after): the ceiling."""
-    import torch
+    from .runner import torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return _offline_run(clients, weights)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _offline_run(clients: int, weights: str) -> dict[str, float]:

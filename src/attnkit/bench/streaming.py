@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .runner import cpu_record
+from .runner import cpu_record, torch_threads
 
 Row = dict[str, Any]
 TEXT = Path(__file__).resolve().parents[3] / "tests" / "data" / "python_reference.txt"
@@ -217,9 +217,7 @@ def run_streaming_suite(options: Any, log: Callable[[str], None] | None = None) 
     suite = options if isinstance(options, StreamingSuite) else StreamingSuite.from_options(options)
     say = log or (lambda _: None)
     text = long_text()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(suite.threads)
-    try:
+    with torch_threads(suite.threads):
         model = load_smollm2(weights=suite.weights)
         tokenizer: Any = model.tokenizer  # a GGUFTokenizer: encode() has no context limit
         ids = torch.tensor([tokenizer.encode(text)])  # (1, N)
@@ -233,8 +231,6 @@ def run_streaming_suite(options: Any, log: Callable[[str], None] | None = None) 
         if suite.full:
             rows += generation_rows(model, prompt, "full", full_tokens, suite, say)
         rows += perplexity_rows(model, ids[:, : suite.perplexity_tokens + 1], suite, say)
-    finally:
-        torch.set_num_threads(threads)
     return rows + streaming_targets(rows, suite)
 
 

@@ -120,10 +120,10 @@ def _check(args: argparse.Namespace, *, chat: bool) -> None:
         raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
     Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value
     sink = SinkSpec.parse(args.cache)
-    if getattr(args, "compile", False) and sink is not None:
+    if args.compile and sink is not None:
         raise ValueError(f"--compile runs over static caches and --cache {args.cache} evicts (its shapes change): "
                          "use one or the other")
-    if getattr(args, "compile", False) and args.kv_dtype == "int8":
+    if args.compile and args.kv_dtype == "int8":
         raise ValueError("--compile runs over static caches and --kv-dtype int8 is a growing cache: use one or the "
                          "other")
     narrow = args.kv_dtype in ("bfloat16", "float16")  # int8 takes a float32 or a bfloat16 model's keys
@@ -240,7 +240,7 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
         steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache,
                                kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype,
-                               compile=getattr(args, "compile", False), stats=stats)
+                               compile=args.compile, stats=stats)
         for token in steps:  # (1,)
             last = int(token[0])
             pieces.append(_write(text.add(last)))
