@@ -261,6 +261,7 @@ def test_missing_transformers_is_skipped_with_a_row_before_anything_loads(monkey
     from attnkit.bench import generate
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # CI has no llama.cpp: a run without it asked for none
     monkeypatch.setattr(generate, "_tokenizer", lambda spec: (None, 8192))
     loaded: list[list[str]] = []
     monkeypatch.setattr(generate, "_timed_rows", lambda names, *_: loaded.append(names) or [])
@@ -270,6 +271,7 @@ def test_missing_transformers_is_skipped_with_a_row_before_anything_loads(monkey
     assert skipped["contender"] == "transformers-float32"
     assert "pip install 'attnkit[hf]'" in skipped["reason"] and "--no-transformers" in skipped["reason"]
     assert loaded == [["attnkit-float32"]] and rows[0]["transformers"] == "not installed"
+    assert rows[0]["llama_cpp"] == "not run"
 
 
 def test_the_report_records_the_threads_the_suite_ran_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):

@@ -378,7 +378,7 @@ def _env_row(suite: GenerateSuite, llama_missing: str | None, hf_version: str | 
     return {"kind": "env", "model": suite.model, **where, "threads": suite.threads, "torch": torch.__version__,
             **cpu_record(), "forms": ",".join(suite.forms),
             "new_tokens": suite.new_tokens, "repeats": suite.repeats, "transformers": hf_version or "not installed",
-            "llama_cpp": ("not run off the CPU" if not suite.on_cpu else
+            "llama_cpp": ("not run off the CPU" if not suite.on_cpu else "not run" if not suite.llamacpp else
                           "not installed" if llama_missing is not None else llamacpp.version()),
             "cpu_count": os.cpu_count(), "load_average_start": _load_average()}
 
