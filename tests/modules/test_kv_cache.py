@@ -256,6 +256,18 @@ def test_static_cache_refuses_positions_past_capacity_and_gradients():
         layer(torch.randn(1, 2, 16, dtype=torch.float64), kv_cache=cache)
 
 
+def test_a_compiled_step_past_a_static_cache_capacity_raises(fresh_dynamo):
+    """Under torch.compile the Python check is skipped: the fifth position of a 4-slot cache went silently into
+    the padding slot (visible from then on) and the sixth failed inside Inductor's generated code."""
+    layer, cache = _layer(), StaticKVCache(4)
+    step, x = torch.compile(layer, fullgraph=True), torch.randn(1, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(4):
+            torch.testing.assert_close(step(x[:, i:i + 1], kv_cache=cache), layer(x[:, :i + 1])[:, i:])
+        with pytest.raises(RuntimeError, match=r"StaticKVCache capacity exceeded.*allocate a larger cache"):
+            step(x[:, 4:], kv_cache=cache)
+
+
 def test_a_failing_call_leaves_a_static_cache_as_it_was():
     layer, cache = _layer(), StaticKVCache(8)
     with torch.no_grad():

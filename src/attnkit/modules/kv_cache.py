@@ -524,7 +524,10 @@ class StaticKVCache(_Ownership):
             held = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
             raise ValueError(f"this cache holds (B, G, D)={held} "
                              f"{self.k.dtype} on {self.k.device}, got {tuple(k.shape)} {k.dtype} on {k.device}")
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # no Python check on a traced value: an assert inside the graph instead
+            torch._assert_async((positions < self.positions.shape[1] - 1).all(),
+                                "StaticKVCache capacity exceeded: a position reached the cache's capacity "
+                                "(positions 0 .. capacity - 1 fit): allocate a larger cache")
             return
         if int(positions.max()) >= self.capacity:
             raise ValueError(f"StaticKVCache capacity {self.capacity} exceeded: position {int(positions.max())}")
