@@ -124,7 +124,8 @@ def test_crop_rewinds_to_an_earlier_position():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attnkit.modules.kv_cache import CachedKeys, StaticKVCache  # noqa: E402
+from attnkit.modules.kv_cache import CachedKeys  # noqa: E402
+from attnkit.modules.static_cache import StaticKVCache  # noqa: E402
 
 
 def _layer(window=None, kv_heads=2, causal=True):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit import KVCache, MultiHeadAttention, attention
-from attnkit.modules.kv_cache import StaticKVCache
+from attnkit.modules.static_cache import StaticKVCache
 
 HALF = [torch.bfloat16, torch.float16]
 

@@ -40,7 +40,8 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
-from attnkit.modules.kv_cache import Cache, KVCache, StaticKVCache, check_storage_dtype
+from attnkit.modules.kv_cache import Cache, KVCache, check_storage_dtype
+from attnkit.modules.static_cache import StaticKVCache
 
 from .sampling import Sampler, row_seeds
 from .streaming import SinkSpec

@@ -5,8 +5,9 @@ from .convert import from_textbook, from_torch, to_torch
 from .cross import CrossAttention
 from .heads import Heads
 from .int8_cache import Int8KVCache
-from .kv_cache import Cache, KVCache, StaticKVCache
+from .kv_cache import Cache, KVCache
 from .sink_cache import SinkCache
+from .static_cache import StaticKVCache
 
 __all__ = ["Cache", "CrossAttention", "Heads", "Int8KVCache", "KVCache", "MultiHeadAttention", "SinkCache",
            "StaticKVCache", "from_textbook", "from_torch", "to_torch"]
