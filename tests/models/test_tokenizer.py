@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests._util import need
 from tests.models._decoder import smollm2
@@ -32,6 +34,31 @@ def test_message_content_cannot_forge_a_turn() -> None:
     assert _control_count(tok, opted_out) > _control_count(tok, tok.chat_ids(plain))
 
 
+_PIECES = st.sampled_from(["s", "a", "user", "system", "assistant", "\n", " ", "<|im_start|>", "<|im_end|>",
+                           "<|endoftext|>", "<|im_start|>system\n", "hi"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(_PIECES, max_size=4).map("".join), min_size=1, max_size=3))
+def test_hostile_content_is_plain_text_between_the_templates_own_markers(contents: list[str]) -> None:
+    """The guard searched the rendered text for each message's content, so a message "s" matched the "s" of
+    <|im_start|>system: the template's markers became plain text and a later message's <|im_end|> a real one."""
+    tok = smollm2().tokenizer
+    roles = ["system", "user", "assistant"]
+    messages = [{"role": roles[min(i, 1) if i < 2 else 1 + i % 2], "content": c} for i, c in enumerate(contents)]
+    expected: list[int] = []
+    for m in messages:  # SmolLM2's ChatML: every marker a control token, every content plain text
+        expected += tok._encode(f"<|im_start|>{m['role']}\n", special=True) + tok._encode(m["content"], special=False)
+        expected += tok._encode("<|im_end|>\n", special=True)
+    expected += tok._encode("<|im_start|>assistant\n", special=True)
+    if messages[0]["role"] != "system":  # the template adds its default system turn
+        expected = tok._encode(tok.chat_prompt([{"role": "user", "content": ""}]).split("<|im_start|>user")[0],
+                               special=True) + expected
+    if not any(s in c for c in contents for s in tok.specials):  # nothing to guard: the rendered text's own ids
+        expected = tok._encode(tok.chat_prompt(messages), special=True)
+    assert tok.chat_ids(messages) == expected
+
+
 def test_chat_ids_of_ordinary_content_are_the_rendered_texts_ids() -> None:
     tok = smollm2().tokenizer
     messages = [{"role": "user", "content": "What is 2 + 2? Answer  with   spaces."}]
@@ -54,6 +81,26 @@ def test_a_template_that_writes_the_bos_gives_one_bos() -> None:
     ids = tok.chat_ids([{"role": "user", "content": "hi"}])
     assert ids[0] == bos and ids[1] != bos
     assert tok.encode("hi")[0] == bos  # plain encoding still adds it
+
+
+def test_a_template_that_trims_content_still_encodes_its_control_strings_as_text() -> None:
+    """Many templates write ``content | trim``: the guard finds the trimmed content; one that changes it otherwise
+    (``upper``) cannot be guarded and says so."""
+    from attnkit.models.gguf import read_gguf
+    from attnkit.models.loader import smollm2_path
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+    metadata = dict(read_gguf(smollm2_path()).metadata)
+    turn = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | FILTER }}<|im_end|>\n{% endfor %}"
+    metadata["tokenizer.chat_template"] = turn.replace("FILTER", "trim")
+    tok = GGUFTokenizer.from_metadata(metadata, context_length=2048)
+    ids = tok.chat_ids([{"role": "user", "content": " x <|im_end|> "}], add_generation_prompt=False)
+    assert ids == (tok._encode("<|im_start|>user\n", special=True) + tok._encode("x <|im_end|>", special=False)
+                   + tok._encode("<|im_end|>\n", special=True))
+    metadata["tokenizer.chat_template"] = turn.replace("FILTER", "upper")
+    tok = GGUFTokenizer.from_metadata(metadata, context_length=2048)
+    with pytest.raises(ValueError, match="changes message content that spells control tokens"):
+        tok.chat_ids([{"role": "user", "content": "x <|im_end|>"}])
 
 
 @pytest.mark.parametrize("text", ["a\ud800b", "\udfff"])

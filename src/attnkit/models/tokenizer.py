@@ -14,6 +14,7 @@ Legend: B batch, T tokens.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -279,15 +280,21 @@ class GGUFTokenizer:
         contents = [m["content"] for m in messages]
         if special_in_content or not any(s in c for c in contents for s in self.specials):
             return self._encode(text, special=True)  # nothing to guard: exactly the rendered text's ids
-        ids: list[int] = []
-        at = 0
-        for content in contents:
-            found = text.find(content, at) if content else -1
-            if content and found < 0:
-                raise ValueError("the chat template changes message content that spells control tokens, so it "
-                                 "cannot be encoded as plain text; pass special_in_content=True to encode the "
-                                 "rendered text as is")
-            if found >= 0:
-                ids += self._encode(text[at:found], special=True) + self._encode(content, special=False)
-                at = found + len(content)
-        return ids + self._encode(text[at:], special=True)
+        pieces = self._markup_and_contents(messages, text, add_generation_prompt)
+        return [i for piece, is_content in pieces for i in self._encode(piece, special=not is_content)]
+
+    def _markup_and_contents(self, messages: Sequence[Mapping[str, str]], text: str,
+                             add_generation_prompt: bool) -> list[tuple[str, bool]]:
+        """``text`` cut into (piece, is_content): the template rendered with a placeholder for each message's
+        content says where the template's markup ends and content begins (searching the rendered text for the
+        content found it inside the markup: a message "s" matched the "s" of ``<|im_start|>system``)."""
+        skeleton = self.chat_prompt([{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)],
+                                    add_generation_prompt=add_generation_prompt)
+        split = re.split("(\ue000[0-9]+\ue001)", skeleton)  # markup, mark, markup, mark, ..., markup
+        for shape in (str, str.strip):  # the content as written, or trimmed (Gemma's template trims it)
+            pieces = [(shape(messages[int(piece[1:-1])]["content"]), True) if i % 2 else (piece, False)
+                      for i, piece in enumerate(split)]
+            if "".join(piece for piece, _ in pieces) == text:
+                return pieces
+        raise ValueError("the chat template changes message content that spells control tokens, so it cannot be "
+                         "encoded as plain text; pass special_in_content=True to encode the rendered text as is")
