@@ -198,6 +198,8 @@ def test_zero_counts_as_given_like_one(capsys, args, message):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--steps", ",,"], "--steps ',,' names no step; choose from: inputs, weights"),
+    (["--model", "minilm", "--steps", "scores,softmax,mask"],
+     "--steps scores,mask: --model minilm shows a traced layer's steps qkv, scaled, softmax, context, output"),
     (["--seed", "99999999999999999999"], "seed=99999999999999999999 is out of range"),
     (["--d-out", "1000000", "--heads", "1"], "d_out=1000000 is too large for the toy walkthrough"),
     (["--seed", "x"], "argument --seed: invalid int value: 'x'"),

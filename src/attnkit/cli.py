@@ -76,8 +76,9 @@ def _default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _step_keys(steps: str | None) -> list[str] | None:
-    """The step names of ``--steps`` (None: every step), each checked before any work."""
+def _step_keys(steps: str | None, model: str | None) -> list[str] | None:
+    """The step names of ``--steps`` (None: every step), each checked before any work; a ``model``'s traced
+    layer shows fewer steps than the toy layer (a name it lacks printed nothing)."""
     from attnkit.inspect import walkthrough
 
     if steps is None:
@@ -86,6 +87,10 @@ def _step_keys(steps: str | None) -> list[str] | None:
     if not keys:
         raise ValueError(f"--steps {steps!r} names no step; choose from: {', '.join(walkthrough.STEPS)}")
     walkthrough.select([], keys)  # rejects unknown names
+    missing = [k for k in keys if k not in walkthrough.RECORD_STEPS]
+    if model is not None and missing:
+        raise ValueError(f"--steps {','.join(missing)}: --model {model} shows a traced layer's steps "
+                         f"{', '.join(walkthrough.RECORD_STEPS)} (the toy layer, without --model, shows every step)")
     return keys
 
 
@@ -95,7 +100,7 @@ def _explain(args: argparse.Namespace) -> int:
     rich_console = require("rich.console", "attnkit explain")
     _check_explain_options(args)
     text = " ".join(args.text) if args.text else None
-    keys = _step_keys(args.steps)
+    keys = _step_keys(args.steps, args.model)
     for flag, path in (("--png", args.png), ("--html", args.html), ("--json", args.json)):
         if path is not None:
             check_output_file(path, flag)

@@ -78,6 +78,7 @@ def test_generate_sampling_with_a_seed_repeats(tiny: str, capsys: pytest.Capture
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--temperature", "-1"], "temperature=-1.0"),
     (["--top-p", "1.5"], "top_p=1.5"),
+    (["--seed", "3", "--top-k", "5"], "--top-k 5, --seed 3 shape sampling, and --temperature 0 (the default)"),
     ([" "], "the prompt is empty"),
     (["--kv-dtype", "bfloat16", "--dtype", "bfloat16"], "--dtype bfloat16 computes in the model's dtype"),
     (["--kv-dtype", "float16", "--cache", "sink:4,20"], "--cache sink:4,20 keeps its window"),

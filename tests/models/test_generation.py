@@ -106,6 +106,22 @@ def test_left_padded_batch_equals_each_row_alone_smollm2() -> None:
         torch.testing.assert_close(padded, single, atol=1e-4, rtol=1e-4)
 
 
+def test_stats_of_a_batch_count_real_prompt_tokens_and_every_rows_new_tokens(tiny32: Any) -> None:
+    """A batch's prompt_tokens counted its left padding and new_tokens its steps (one row's tokens)."""
+    batch = tiny32.tokenize(["the sin", "a much longer prompt than the first one"])
+    free = tiny32.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, stop_ids=[])
+    width = batch["input_ids"].shape[1]
+    stop = int(free[0, width + 1])  # row 0 stops by its second new token
+    stats = GenerationStats()
+    out = tiny32.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, stop_ids=[stop], stats=stats)
+    new = out[:, width:]
+    per_row = [int((row == stop).nonzero()[0]) + 1 if bool((row == stop).any()) else new.shape[1] for row in new]
+    assert per_row[0] <= 2 < new.shape[1]  # the pad ids after row 0's stop are not new tokens
+    assert (stats.prompt_tokens, stats.new_tokens) == (int(batch["attention_mask"].sum()), sum(per_row))
+    assert (stats.steps, stats.rows) == (new.shape[1], 2)
+    assert stats.decode_tokens_per_s == (sum(per_row) - 2) / stats.decode_seconds
+
+
 def test_generate_returns_prompt_then_new_tokens_and_fills_stats(tiny32: Any) -> None:
     ids = tiny32.tokenize("the sin")["input_ids"]
     stats = GenerationStats()
@@ -259,6 +275,7 @@ BAD = [
     (dict(max_new_tokens=2, top_p=1.5), "top_p=1.5"),
     (dict(max_new_tokens=2, top_k=0), "top_k=0"),
     (dict(max_new_tokens=2, stop_ids=[10**6]), "stop id 1000000"),
+    (dict(max_new_tokens=2, stop_ids=2), r"stop_ids must be a list of token ids .* got stop_ids=2"),
     (dict(max_new_tokens=61), "exceeds the model.s context length 64; ask for at most 60"),
 ]
 

@@ -179,8 +179,11 @@ def select(steps: list[Step], keys: Sequence[str] | None) -> list[Step]:
     return [s for s in steps if s.key in set(keys)]
 
 
+RECORD_STEPS = ("qkv", "scaled", "softmax", "context", "output")  # what a traced layer's record shows
+
+
 def record_steps(record: AttentionRecord, head: int, batch_index: int = 0) -> list[Step]:
-    """The walkthrough of one head of a traced layer (see :func:`attnkit.trace`)."""
+    """The walkthrough of one head of a traced layer (see :func:`attnkit.trace`): the :data:`RECORD_STEPS`."""
     heads = record.num_heads
     if not 0 <= head < heads:
         raise ValueError(f"head {head} is out of range: {record.name} has heads 0 to {heads - 1}")

@@ -72,7 +72,7 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
                    "ones and on sliding-window layers, keeping fewer of float32's greedy choices (BENCHMARKS.md; "
                    "not with --compile)")
     p.add_argument("--compile", action="store_true", help="run each decoding step as one compiled graph "
-                   "(torch.compile over static caches): faster decoding, after compiling for tens of seconds "
+                   "(torch.compile over static caches): faster decoding, after compiling for a minute or more "
                    "once per process, at the first answer (counted in the reported speed; BENCHMARKS.md)")
     p.add_argument("--cache", default="full", metavar="full|sink:SINKS,WINDOW[,CHUNK]",
                    help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
@@ -119,6 +119,11 @@ def _check(args: argparse.Namespace, *, chat: bool) -> None:
     if args.weights not in (None, "float32") and args.dtype != "float32":
         raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
     Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value
+    shaping = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("top_k", "top_p", "seed")
+               if getattr(args, name) is not None]
+    if shaping and args.temperature == 0:
+        raise ValueError(f"{', '.join(shaping)} shape sampling, and --temperature 0 (the default) is greedy: add "
+                         "--temperature > 0 (e.g. 0.7), or drop them")
     sink = SinkSpec.parse(args.cache)
     if args.compile and sink is not None:
         raise ValueError(f"--compile runs over static caches and --cache {args.cache} evicts (its shapes change): "
@@ -211,7 +216,7 @@ def _chat_ids(tokenizer: GGUFTokenizer, messages: Sequence[Mapping[str, str]]) -
 def _speed(console: Any, stats: GenerationStats) -> None:
     console.print(f"[dim]prompt: {stats.prompt_tokens} tokens in {stats.prefill_seconds:.2f} s "
                   f"({stats.prefill_tokens_per_s:.1f} tokens/s) · generation: {stats.new_tokens} tokens, "
-                  f"{stats.decode_tokens_per_s:.1f} tokens/s[/dim]")
+                  f"{stats.decode_tokens_per_s:.1f} tokens/s[/dim]", soft_wrap=True)
 
 
 @dataclass

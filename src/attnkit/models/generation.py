@@ -33,7 +33,7 @@ Legend: B batch, T prompt tokens, S positions in the caches, V vocabulary.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -78,14 +78,17 @@ class GenerationOptions:
         top_k, top_p: keep only the k most likely tokens / the smallest set
             with probability >= top_p before sampling.
         seed: an int (row r samples with seed + r), one int per row, or None
-            (fresh seeds). A row's tokens depend only on its prompt and seed,
-            never on the other rows of the batch (int8 / int4 weights: unless
-            left padding takes its prompt past their bfloat16 product's
-            threshold, :mod:`attnkit.modules.packed`).
+            (fresh seeds). A row's random numbers depend only on its seed,
+            never on the other rows; its tokens also on its logits, which a
+            batch's shape (padding, other rows) moves in the last bits with
+            float32 / float16 weights and by tenths with int8 / int4 weights
+            (their bfloat16 inputs round those bits up): sampled int8 / int4
+            rows generally differ alone and in a batch (:mod:`.sampling`).
         stop_ids: ids that end a row (kept in the output, then pad ids);
             None = the model's end-of-turn / end-of-text ids, [] = never stop early.
         compile: run each decoding step as one compiled graph over static
-            caches (the first call compiles: tens of seconds for SmolLM2;
+            caches (the first call compiles: 84 s for SmolLM2 on an idle
+            2-core CPU, longer on a busy one;
             the graph serves every cache size, prompt + max_new_tokens;
             another batch size, sampling setting or set of stop ids
             compiles again).
@@ -147,12 +150,19 @@ class GenerationOptions:
 
 @dataclass
 class GenerationStats:
-    """Filled in by a generation run: token counts and seconds of prefill and decode."""
+    """Filled in by a generation run: token counts over every row, and seconds of prefill and decode.
+
+    ``prompt_tokens``: the prompts' real tokens (left padding not counted); ``new_tokens``: the tokens the
+    rows sampled, each row's stop id included and the pad ids after it not; ``steps``: tokens per row so
+    far (the longest row's count); ``rows``: the batch size.
+    """
 
     prompt_tokens: int = 0
     new_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    steps: int = 0
+    rows: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -160,9 +170,9 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """New tokens after the first (which prefill produced) per second of decoding."""
-        steps = max(self.new_tokens - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """New tokens after each row's first (which prefill produced) per second of decoding, over all rows."""
+        decoded = max(self.new_tokens - self.rows, 0)
+        return decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
 _KV_NAMES = ("bfloat16", "float16", "int8")  # the storage dtypes kv_dtype may name
@@ -241,7 +251,10 @@ def _check_budget(model: CausalLM, prompt_len: int, options: GenerationOptions) 
         raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens={max_new_tokens} exceeds the model's "
                          f"context length {model.context_length}; ask for at most "
                          f"{model.context_length - prompt_len} new tokens")
-    stops = model.stop_token_ids if options.stop_ids is None else tuple(options.stop_ids)
+    given = options.stop_ids
+    if given is not None and (isinstance(given, (str, bytes, Tensor)) or not isinstance(given, Iterable)):
+        raise ValueError(f"stop_ids must be a list of token ids (or None: the model's own), got stop_ids={given!r}")
+    stops = model.stop_token_ids if given is None else tuple(given)
     for s in stops:
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < model.vocab_size:
             raise ValueError(f"stop id {s!r} is not a token id in [0, {model.vocab_size})")
@@ -338,7 +351,8 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
     zeros = torch.zeros(b, dtype=torch.long, device=ids.device)
     state = DecodeState(ids[:, -1], start - 1, zeros.bool(), zeros)  # the prompt's last token, at start - 1
     step = _step_function(model, opts.compile)
-    stats.prompt_tokens, stats.new_tokens = b * t, 0
+    stats.prompt_tokens = b * t if mask is None else int(mask.sum())
+    stats.new_tokens, stats.steps, stats.rows, live = 0, 0, b, b
     begin = time.perf_counter()
     with torch.inference_mode():
         logits = _prefill(model, ids, given, caches, opts)  # (B, V)
@@ -349,9 +363,10 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
             with torch.inference_mode():
                 state = step(model, caches, state, opts.sampler, seeds, stop_ids, positions is None)
             stats.decode_seconds = time.perf_counter() - begin
-        stats.new_tokens = n + 1
+        stats.new_tokens, stats.steps = stats.new_tokens + live, n + 1  # rows not stopped before this step
         yield state.token
-        if bool(state.done.all()):  # between steps: the one host synchronisation of the loop
+        live = int((~state.done).sum())  # between steps: the one host synchronisation of the loop
+        if live == 0:
             return
 
 

@@ -4,11 +4,15 @@ Each row of a batch samples with its own seed and its own step count: the
 random number of a row at a step is a hash of (seed, step), computed with
 tensor operations. So
 
-- a seeded prompt samples the same tokens alone or in any batch, whatever the
-  other rows hold (a server batching unrelated requests needs this), given the
-  same logits: a batch's products may round them otherwise in the last bits
-  (about 1e-6 in float32), and packed int8 / int4 layers pick their product by
-  positions per row, never by the batch (:mod:`attnkit.modules.packed`);
+- a row's random numbers are the same alone or in any batch, whatever the
+  other rows hold (a server batching unrelated requests needs this), so a
+  seeded prompt samples the same tokens as far as its logits are the same.
+  They are not quite: a batch's shape (left padding, the other rows' lengths)
+  changes how float32 attention rounds, by about 1e-6, which moves a float32 or
+  float16 sample only on a knife edge; packed int8 / int4 layers round their
+  inputs to bfloat16, which turns those bits into tenths of a logit by the last
+  layer, so a sampled row with int8 / int4 weights generally takes other tokens
+  in a batch than alone (greedy rows differ only at near-ties);
 - there is no ``torch.Generator`` state and no host synchronisation, so a
   decoding step that samples compiles with ``torch.compile(fullgraph=True)``.
 
