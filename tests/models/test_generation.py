@@ -23,7 +23,7 @@ need("tokenizers")
 
 import attnkit  # noqa: E402
 from attnkit.models import GenerationStats, load_gguf  # noqa: E402
-from attnkit.models.generation import Sampler  # noqa: E402
+from attnkit.models.sampling import Sampler  # noqa: E402
 
 
 @pytest.fixture(scope="module")

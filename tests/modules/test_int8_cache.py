@@ -676,7 +676,7 @@ def test_generate_refuses_int8_with_compile_or_a_sink_cache(options: dict[str, A
 
 
 def test_generation_options_take_int8_by_name_or_dtype() -> None:
-    from attnkit.models.generation import GenerationOptions
+    from attnkit.models.generation_options import GenerationOptions
 
     assert GenerationOptions(kv_dtype="int8").kv_dtype is torch.int8
     assert GenerationOptions(kv_dtype=torch.int8).kv_dtype is torch.int8

@@ -145,7 +145,7 @@ def test_a_bfloat16_cache_keeps_smollm2s_choices():
 
 
 def test_generation_options_name_what_they_take():
-    from attnkit.models.generation import GenerationOptions
+    from attnkit.models.generation_options import GenerationOptions
 
     assert GenerationOptions(kv_dtype="bfloat16").kv_dtype == torch.bfloat16
     assert GenerationOptions(kv_dtype=torch.float16).kv_dtype == torch.float16

@@ -126,7 +126,8 @@ def _settle() -> float:
 def generation_rows(model: Any, prompt: torch.Tensor, cache: str, new_tokens: int, suite: StreamingSuite,
                     say: Callable[[str], None]) -> list[Row]:
     """Generate ``new_tokens`` greedily with ``cache``: a memory row every ``sample_every`` tokens, then a summary."""
-    from attnkit.models.generation import GenerationStats, generate_steps
+    from attnkit.models.generation import generate_steps
+    from attnkit.models.generation_options import GenerationStats
 
     stats, rows = GenerationStats(), list[Row]()
     before = _settle()

@@ -1,7 +1,7 @@
 """Pretrained models rebuilt on attnkit layers."""
 
 from .gemma3 import Gemma3Config, Gemma3Model, load_gemma3
-from .generation import GenerationStats
+from .generation_options import GenerationStats
 from .llama import LlamaConfig, LlamaModel
 from .loader import load_gguf, load_smollm2
 from .minilm import BertConfig, MiniLM, load_minilm

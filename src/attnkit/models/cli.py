@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from attnkit.models.decoder import DecoderModel
-    from attnkit.models.generation import GenerationStats
+    from attnkit.models.generation_options import GenerationStats
     from attnkit.models.tokenizer import GGUFTokenizer
 
 COMMANDS = {
@@ -104,7 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace, *, chat: bool) -> None:
     """Reject bad options before the (slow) model load; ``chat``: the prompt goes through a chat template."""
-    from attnkit.models.generation import Sampler
+    from attnkit.models.sampling import Sampler
     from attnkit.models.streaming import SinkSpec
 
     if args.gguf is not None and args.model is not None:
@@ -230,7 +230,8 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
     """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``)."""
     import torch
 
-    from attnkit.models.generation import GenerationStats, IncrementalDecoder, generate_steps
+    from attnkit.models.generation import IncrementalDecoder, generate_steps
+    from attnkit.models.generation_options import GenerationStats
     from attnkit.models.streaming import SinkSpec
 
     endless = SinkSpec.parse(args.cache) is not None  # sink caches: no limit on new tokens

@@ -28,8 +28,8 @@ from attnkit.modules import Int8KVCache, KVCache, StaticKVCache
 from attnkit.modules.kv_cache import STORAGE_DTYPES, Cache, check_cache, check_positions, transaction
 from attnkit.modules.quantize import check_conversion, quantize, resolve_form
 
-from . import generation
 from .generation import GenerationMixin, Tokenizer
+from .generation_options import check_input_ids, mask_to_bool
 
 
 class DecoderConfig(Protocol):
@@ -105,7 +105,7 @@ class DecoderModel(GenerationMixin, nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
         self.tokenizer = tokenizer
-        # what the generation loop reads (attnkit.models.generation.CausalLM)
+        # what the generation loop reads (attnkit.models.generation_options.CausalLM)
         self.vocab_size, self.context_length = config.vocab_size, config.context_length
         self.pad_token_id: int = 0 if tokenizer is None else tokenizer.pad_id  # type: ignore[attr-defined]
         self.stop_token_ids: tuple[int, ...] = () if tokenizer is None else tokenizer.stop_ids  # type: ignore
@@ -174,7 +174,7 @@ class DecoderModel(GenerationMixin, nn.Module):
             got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
             raise ValueError(f"attention_mask must be (B, S) with B = {input_ids.shape[0]} and S = the cache's "
                              f"positions + {input_ids.shape[1]} new ones, got {got}")
-        return generation.mask_to_bool(attention_mask).to(input_ids.device)
+        return mask_to_bool(attention_mask).to(input_ids.device)
 
     def _check_room(self, input_ids: Tensor, positions: Tensor | None, caches: Sequence[Cache] | None) -> None:
         """Every position must lie in the context window."""
@@ -205,7 +205,7 @@ class DecoderModel(GenerationMixin, nn.Module):
                 left padding is not needed. None = 0 .. T - 1 or after what
                 the caches hold.
         """
-        generation.check_input_ids(self, input_ids)
+        check_input_ids(self, input_ids)
         caches = self._check_caches(kv_caches)
         if positions is not None:
             positions = check_positions(positions, *input_ids.shape)

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.models.generation import IncrementalDecoder, kv_storage
+from attnkit.models.generation import IncrementalDecoder
+from attnkit.models.generation_options import kv_storage
 from attnkit.models.sampling import Sampler, row_seeds
 
 from .blocks import BlockManager
