@@ -172,6 +172,36 @@ def test_stop_strings_end_an_answer_and_are_not_shown() -> None:
     assert "".join(texts) == shown and reasons[-1] == "stop"
 
 
+def _shown(engine: Engine, prompt: list[int], p: SamplingParams) -> tuple[str, str | None]:
+    """Run one request alone to its end: the text it showed and its finish reason."""
+    texts: list[str] = []
+    reasons: list[str | None] = []
+
+    def on_event(event: Event) -> None:
+        texts.append(event.text)
+        reasons.append(event.finish_reason)
+
+    engine.submit(prompt, p, on_event)
+    while engine.running or engine.waiting:
+        engine.step()
+    return "".join(texts), reasons[-1]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_several_stop_strings_cut_at_the_earliest_match_whatever_their_order(reverse: bool) -> None:
+    """Bug: the first stop in list order that matched won, so ["<b>", "><b"] showed "<a>" and the reverse "<a"."""
+    model = _model()
+    prompt, p = [3, 4, 5], SamplingParams(max_tokens=12, temperature=5.0, seed=3)  # the tiny model's tokens vary
+    first, second, third = _alone(model, prompt, p)[:3]
+    spans = f"><{third}"  # starts in the second token's text (held back) and ends in the third's
+    whole = f"<{third}>"  # the third token's text: both stops are complete at the same step
+    shown = f"<{first}><{second}"
+    assert _decode(_alone(model, prompt, p)).find(spans) == len(shown)  # neither stop matches earlier
+    stops = (whole, spans)[::-1] if reverse else (whole, spans)
+    assert _shown(_engine(model), prompt, SamplingParams(max_tokens=12, temperature=5.0, seed=3,
+                                                         stop=stops)) == (shown, "stop")
+
+
 @pytest.mark.parametrize(("prompt", "max_tokens", "message"), [
     ([], 4, "the prompt is empty"),
     (list(range(1, 30)) * 4, 20, "more than the context window of 128"),

@@ -52,9 +52,9 @@ class GenerationOptions:
         seed: an int (row r samples with seed + r), one int per row, or None
             (fresh seeds). A row's random numbers depend only on its seed,
             never on the other rows; its tokens also on its logits, which a
-            batch's shape (padding, other rows) moves in the last bits with
+            batch's shape (padding, other rows) moves by about 5e-5 with
             float32 / float16 weights and by tenths with int8 / int4 weights
-            (their bfloat16 inputs round those bits up): sampled int8 / int4
+            (their bfloat16 inputs magnify the rounding): sampled int8 / int4
             rows generally differ alone and in a batch (:mod:`.sampling`).
         stop_ids: ids that end a row (kept in the output, then pad ids);
             None = the model's end-of-turn / end-of-text ids, [] = never stop early.

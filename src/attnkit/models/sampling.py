@@ -8,11 +8,12 @@ tensor operations. So
   other rows hold (a server batching unrelated requests needs this), so a
   seeded prompt samples the same tokens as far as its logits are the same.
   They are not quite: a batch's shape (left padding, the other rows' lengths)
-  changes how float32 attention rounds, by about 1e-6, which moves a float32 or
-  float16 sample only on a knife edge; packed int8 / int4 layers round their
-  inputs to bfloat16, which turns those bits into tenths of a logit by the last
-  layer, so a sampled row with int8 / int4 weights generally takes other tokens
-  in a batch than alone (greedy rows differ only at near-ties);
+  changes how float32 attention rounds (SmolLM2's logits move by about 5e-5),
+  which moves a float32 or float16 sample only on a knife edge; packed int8 /
+  int4 layers round their inputs to bfloat16, which turns that into tenths of a
+  logit, so a sampled row with int8 / int4 weights generally takes other tokens
+  in a batch than alone, and a greedy row sometimes does (at near-ties; see
+  docs/bench/round11-invariance);
 - there is no ``torch.Generator`` state and no host synchronisation, so a
   decoding step that samples compiles with ``torch.compile(fullgraph=True)``.
 

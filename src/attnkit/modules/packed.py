@@ -32,7 +32,11 @@ or beside any other rows of its length. A 2-D input (N, in) is N sequences
 of one position (a decoding step's head reads (B, C)), so every decoding
 step takes the kernel however many rows it holds. A prompt left-padded to a
 batch's longest one, or cut into other chunks by the server, can cross the
-threshold where it alone would not.
+threshold where it alone would not. And a row's input is not the same alone and
+in a batch: attention upstream rounds otherwise under another batch's padding
+(SmolLM2's logits move by about 5e-5 in float32), and rounding to bfloat16
+here turns that into tenths of a logit by the last layer (the README's
+Generation options; docs/bench/round11-invariance).
 
 Packed layers are for inference: a backward through one, a conversion to
 another dtype or device, and (for fbgemm's opaque float16 matrix) saving,

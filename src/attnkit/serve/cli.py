@@ -23,8 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
                        description="Serve SmolLM2-135M-Instruct (or Gemma 3 270M, or a GGUF file) with continuous "
                        "batching over a "
-                       "paged KV cache: POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, "
-                       "/metrics; a chat page at /. Binds 127.0.0.1 unless --host says otherwise.")
+                       "paged KV cache: POST /v1/chat/completions, /v1/completions; GET /v1/models, /v1/models/{id}, "
+                       "/health, /metrics; a chat page at /. Binds 127.0.0.1 unless --host says otherwise.")
     p.add_argument("--model", choices=list(MODELS), help="the packaged model (default smollm2): "
                    + "; ".join(f"{name}: {what}" for name, what in MODELS.items())
                    + ". A base model has no chat template: it serves /v1/completions")

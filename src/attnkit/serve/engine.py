@@ -11,9 +11,10 @@ Each :meth:`Engine.step`
 4. runs one forward for every decoding sequence (one token each) and one per
    prompt chunk of a prefilling sequence (within a token budget per step),
 5. samples each sequence with its own options and seed
-   (:mod:`attnkit.models.sampling`: the same tokens as ``generate`` alone, up
-   to the last bits of the logits; int8 / int4 prompts cut into other chunks
-   can round otherwise, :mod:`attnkit.modules.packed`),
+   (:mod:`attnkit.models.sampling`: the same random numbers as ``generate``
+   alone, so the same tokens with float32 / float16 weights up to rounding; with
+   int8 / int4 weights a batch moves the logits by tenths and a sampled request
+   generally differs from the same request alone),
    and ends it on a stop id, a stop string, ``max_tokens`` or the context.
 
 The engine runs in a thread of its own (:meth:`Engine.start`); other threads
@@ -351,12 +352,11 @@ class Engine:
         assert seq.text is not None
         text = seq.held + seq.text.add(token)
         seq.held = ""
-        for stop in seq.params.stop:
-            at = text.find(stop)
-            if at >= 0:
-                self._emit(seq, Event(text[:at], [token]))
-                self._finish(seq, "stop", flush=False)  # nothing after the stop string is shown
-                return
+        at = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
+        if at >= 0:  # the earliest match in the text, whatever the order of the stop strings
+            self._emit(seq, Event(text[:at], [token]))
+            self._finish(seq, "stop", flush=False)  # nothing after the stop string is shown
+            return
         keep = max((len(s) - 1 for s in seq.params.stop), default=0)  # the end may start a stop string
         cut = len(text)
         for n in range(min(keep, len(text)), 0, -1):

@@ -1,0 +1,134 @@
+"""Checking an OpenAI request field by field, and OpenAI's error shape for what the API refuses.
+
+Every refusal is an :class:`APIError`: an HTTP status and the fields of
+``{"error": {"message", "type", "param", "code"}}``; the message names the
+offending field and what was expected. :mod:`attnkit.serve.api` turns them into
+responses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+MAX_STOPS = 4
+
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
+           "stream_options", "n", "user", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
+           "logit_bias", "metadata", "store", "service_tier", "parallel_tool_calls", "tools", "tool_choice",
+           "response_format", "echo", "suffix", "best_of", "prompt", "messages"}
+
+
+class APIError(Exception):
+    """A request the API refuses: an HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def no_such_model(name: str, served: str) -> APIError:
+    return APIError(404, f"The model '{name}' does not exist; this server has '{served}'", param="model",
+                    code="model_not_found")
+
+
+def too_long(param: str, message: str) -> APIError:
+    """A prompt that leaves no room for an answer: OpenAI's code, which clients branch on to shorten it."""
+    return APIError(400, f"{param}: {message}", param=param, code="context_length_exceeded")
+
+
+def integer(body: Mapping[str, Any], name: str, low: int, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(name, f"expected an integer, got {json.dumps(value)}")
+    if value < low or (high is not None and value > high):
+        raise bad(name, f"must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(name, f"expected a number, got {json.dumps(value)}")
+    return float(value)
+
+
+def stops(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    given = [stop] if isinstance(stop, str) else stop
+    if not isinstance(given, list) or not all(isinstance(s, str) and s for s in given):
+        raise bad("stop", "expected a non-empty string or a list of them")
+    if len(given) > MAX_STOPS:
+        raise bad("stop", f"at most {MAX_STOPS} stop strings, got {len(given)}")
+    return tuple(given)
+
+
+def refuse_unsupported(body: Mapping[str, Any]) -> None:
+    unknown = sorted(set(body) - _COMMON)
+    if unknown:
+        raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise bad("n", f"only n=1 is supported, got {json.dumps(n)}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name, 0) not in (0, 0.0, None):
+            raise bad(name, "is not supported (only 0)")
+    logprobs = body.get("logprobs")  # chat's false, not completions' 0 (0 == False: compared by identity)
+    if logprobs is not None and logprobs is not False:
+        raise bad("logprobs", "is not supported by this server")
+    for name in ("tools", "logit_bias", "echo", "suffix", "top_logprobs"):
+        if body.get(name) not in (None, False, [], {}, ""):
+            raise bad(name, "is not supported by this server")
+    response_format = body.get("response_format")
+    if response_format not in (None, {}, {"type": "text"}):
+        raise bad("response_format", f"only {{\"type\": \"text\"}} is supported (plain text), got "
+                                      f"{json.dumps(response_format)}")
+    if body.get("best_of", 1) not in (1, None):
+        raise bad("best_of", "only 1 is supported")
+
+
+def sampling(body: Mapping[str, Any]) -> tuple[float, float | None]:
+    """(temperature, top_p) in OpenAI's ranges; top_p=0 keeps only the most likely token: greedy."""
+    temperature = _number(body, "temperature")
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise bad("temperature", f"must be in [0, 2], got {temperature}")
+    top_p = _number(body, "top_p")
+    if top_p is not None and not 0 <= top_p <= 1:
+        raise bad("top_p", f"must be in [0, 1], got {top_p}")
+    if top_p == 0:
+        return 0.0, None
+    return 1.0 if temperature is None else temperature, top_p
+
+
+def refuse_other_endpoints_field(body: Mapping[str, Any], field: str, endpoint: str, instead: str) -> None:
+    """Refuse a field of the other endpoint, which this one would silently ignore."""
+    if body.get(field) is not None:
+        raise bad(field, f"belongs to {endpoint}; this endpoint takes {instead}")
+
+
+def route_error(request: Any, status: int, detail: Any, headers: Mapping[str, str] | None) -> APIError:
+    """Starlette's error for a route or method it does not serve, as an :class:`APIError`."""
+    route = f"{request.method} {request.url.path}"
+    if status == 404:
+        return APIError(404, f"Invalid URL ({route})", headers=headers)
+    if status == 405:
+        allowed = {k.lower(): v for k, v in (headers or {}).items()}.get("allow", "another method")
+        return APIError(405, f"Method not allowed ({route}); this route takes {allowed}", headers=headers)
+    return APIError(status, str(detail), headers=headers)

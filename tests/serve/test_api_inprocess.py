@@ -1,0 +1,201 @@
+"""The HTTP API in-process over the tiny float64 decoder of test_engine: request checks, routes and disconnects.
+
+No model download and no server process: FastAPI's TestClient, or the ASGI app
+called directly where a client must leave in the middle of a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from attnkit.serve import Engine, SamplingParams
+from tests._util import need
+from tests.serve.test_engine import _engine, _model
+
+need("fastapi")
+testclient = need("fastapi.testclient")
+
+from attnkit.serve.api import APIError, Parsed, Server, create_app  # noqa: E402
+
+
+class Words:
+    """A tokenizer of one id per word (the tiny model's vocabulary is 50)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [len(w) % 50 for w in text.split()] or [1]
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(" ".join(m["content"] for m in messages))
+
+
+def _server(engine: Engine) -> Server:
+    return Server(engine, Words(), model_name="tiny", context_length=128)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    engine = _engine(_model())
+    engine.start()
+    yield testclient.TestClient(create_app(_server(engine)))
+    engine.shutdown()
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 2}
+COMPLETION = {"model": "tiny", "prompt": "one two three", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/v1/chat/completions", {**CHAT, "n": None}),  # an explicit null is the default, n=1
+    ("/v1/completions", {**COMPLETION, "n": None}),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}}),  # plain text: what it answers
+    ("/v1/chat/completions", {**CHAT, "temperature": 2, "seed": 1}),  # the top of OpenAI's range
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}),  # the bottom of OpenAI's range: greedy
+    ("/v1/chat/completions", {**CHAT, "logprobs": False}),
+    ("/v1/chat/completions", {**CHAT, "prompt": None}),  # another endpoint's field, but null
+])
+def test_what_openai_accepts_is_accepted(client: Any, route: str, body: dict[str, Any]) -> None:
+    """Bug: n=null, response_format text and top_p=0 were refused with a 400."""
+    r = client.post(route, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(("route", "body", "param", "says"), [
+    ("/v1/completions", {**COMPLETION, "logprobs": 0}, "logprobs", "not supported"),  # 0 == False slipped through
+    ("/v1/chat/completions", {**CHAT, "logprobs": 0}, "logprobs", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "prompt": "four five"}, "prompt", "belongs to /v1/completions"),
+    ("/v1/completions", {**COMPLETION, "messages": CHAT["messages"]}, "messages", "belongs to /v1/chat"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, "temperature", "must be in [0, 2], got 2.5"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, "top_p", "must be in [0, 1], got 1.5"),
+    ("/v1/chat/completions", {**CHAT, "top_p": -0.1}, "top_p", "must be in [0, 1], got -0.1"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",
+     'only {"type": "text"} is supported (plain text), got {"type": "json_object"}'),
+    ("/v1/chat/completions", {**CHAT, "n": 2}, "n", "only n=1 is supported, got 2"),
+    ("/v1/chat/completions", {**CHAT, "n": True}, "n", "only n=1 is supported, got true"),
+])
+def test_what_the_server_cannot_honour_is_refused_naming_the_field(client: Any, route: str, body: dict[str, Any],
+                                                                   param: str, says: str) -> None:
+    """Bug: logprobs=0, temperature > 2 and the other endpoint's prompt / messages were silently accepted."""
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_top_p_zero_samples_greedily() -> None:
+    """OpenAI's top_p=0 keeps only the most likely token: the server samples greedily, whatever the temperature."""
+    parsed = _server(_engine(_model())).parse_completion({**COMPLETION, "top_p": 0, "temperature": 1.5})
+    assert (parsed.params.temperature, parsed.params.top_p) == (0.0, None)
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/completions", {**COMPLETION, "prompt": "w " * 200}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "w " * 200}]}, "messages"),
+])
+def test_a_prompt_longer_than_the_context_says_context_length_exceeded(client: Any, route: str,
+                                                                       body: dict[str, Any], param: str) -> None:
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == param
+    assert "the prompt has 200 tokens" in error["message"]
+
+
+def test_an_engine_refusal_names_the_field_the_prompt_came_from() -> None:
+    """Bug: Server.submit blamed "messages" for every prompt that is not empty, a completion's included."""
+    server = _server(_engine(_model()))
+    too_long = SamplingParams(max_tokens=500)  # past the context: the engine refuses it
+
+    async def submit(source: str) -> APIError:
+        with pytest.raises(APIError) as refused:
+            server.submit(Parsed([1, 2, 3], too_long, False, False, source))
+        return refused.value
+
+    for source in ("prompt", "messages"):
+        error = asyncio.run(submit(source))
+        assert error.status == 400 and error.param == source and "context window" in error.message
+
+
+def test_a_model_is_retrieved_by_its_id_and_another_is_not_found(client: Any) -> None:
+    """Bug: GET /v1/models/{id} (the openai client's models.retrieve) did not exist."""
+    listed = client.get("/v1/models").json()["data"][0]
+    assert client.get("/v1/models/tiny").json() == listed == {**listed, "id": "tiny", "object": "model"}
+    r = client.get("/v1/models/gpt-4")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "The model 'gpt-4' does not exist; this server has 'tiny'",
+                                  "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+
+
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(client: Any) -> None:
+    """Bug: they answered FastAPI's {"detail": ...}, which OpenAI clients cannot read."""
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "Invalid URL (GET /v1/nothing)", "type": "invalid_request_error",
+                                  "param": None, "code": None}}
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json() == {"error": {"message": "Method not allowed (GET /v1/chat/completions); this route takes POST",
+                                  "type": "invalid_request_error", "param": None, "code": None}}
+
+
+def test_a_client_that_leaves_a_request_that_does_not_stream_is_cancelled_while_tokens_arrive() -> None:
+    """Bug: the disconnect check ran only after 0.5 s without an event (and request.is_disconnected() never
+    turned true under the auth middleware), so a decoding request ran on to max_tokens, holding its batch slot and
+    KV blocks, after its client had gone."""
+    model = _model()
+    engine = _engine(model)
+    step = model.step
+
+    def slow_step(*args: Any) -> Any:  # 20 ms a token: 120 tokens take 2.4 s
+        time.sleep(0.02)
+        return step(*args)
+
+    model.step = slow_step  # type: ignore[method-assign]
+    app = create_app(_server(engine))
+    body = json.dumps({**COMPLETION, "max_tokens": 120, "temperature": 0}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    sent: list[dict[str, Any]] = []
+
+    async def leave_mid_answer() -> None:
+        gone = asyncio.Event()
+        requested = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        request = asyncio.ensure_future(app(scope, receive, send))
+        while engine.stats["generated_tokens_total"] < 3:  # the answer is under way: events keep arriving
+            await asyncio.sleep(0.005)
+        gone.set()
+        await asyncio.wait([request], timeout=10)
+        assert request.done()
+
+    engine.start()
+    try:
+        asyncio.run(leave_mid_answer())
+        deadline = time.monotonic() + 10
+        while engine.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        metrics = engine.metrics()
+    finally:
+        engine.shutdown()
+    assert metrics["requests_running"] == 0 and metrics["kv_blocks_used"] == 0
+    assert metrics["generated_tokens_total"] < 60, metrics  # cancelled at once, not run on to max_tokens
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]  # for the access log
