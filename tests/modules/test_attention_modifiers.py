@@ -311,12 +311,44 @@ def test_to_torch_refuses_a_layer_with_modifiers_or_sinks():
 def test_a_built_ins_learned_tensors_train_save_and_move_with_the_layer():
     slopes, cap = nn.Parameter(alibi_slopes(H)), nn.Parameter(torch.tensor(3.0))
     layer = MultiHeadAttention(C, C, H, score_mod=alibi(slopes=slopes)).double()
-    assert any(p is slopes for p in layer.parameters()) and "score_mod_slopes" in layer.state_dict()
-    assert slopes.dtype == torch.float64  # moved with the layer, still the modifier's own tensor
+    assert "score_mod_slopes" in layer.state_dict() and layer.score_mod.slopes is layer.score_mod_slopes
+    assert layer.score_mod_slopes.dtype == torch.float64  # moved with the layer, still what the modifier reads
     layer(_x()).sum().backward()
-    assert slopes.grad is not None and bool(slopes.grad.abs().min() > 0)
+    assert layer.score_mod_slopes.grad is not None and bool(layer.score_mod_slopes.grad.abs().min() > 0)
     capped = MultiHeadAttention(C, C, H, score_mod=softcap(cap))
-    assert [name for name, p in capped.named_parameters() if p is cap] == ["score_mod_cap"]
+    assert [name for name, _ in capped.named_parameters() if name.startswith("score_mod")] == ["score_mod_cap"]
+
+
+@pytest.mark.parametrize("make", [lambda: alibi(slopes=nn.Parameter(alibi_slopes(H))),
+                                  lambda: softcap(nn.Parameter(torch.tensor(3.0)))], ids=["alibi", "softcap"])
+def test_a_modifiers_learned_tensors_are_the_layers_own_through_assign_meta_and_reset(make):
+    """The layer registered the caller's Parameter and the modifier kept reading it: load_state_dict(assign=True)
+    changed the state dict but not the output (0.51 apart), and a layer built on meta, then to_empty() and
+    reset_parameters(), read uninitialised slopes."""
+    torch.manual_seed(0)
+    trained = MultiHeadAttention(C, C, H, score_mod=make())
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if name.startswith("score_mod_"):
+                p.mul_(1.5)  # as training would move them
+    fresh = MultiHeadAttention(C, C, H, score_mod=make())
+    fresh.load_state_dict(trained.state_dict(), assign=True)
+    x = _x().float()
+    torch.testing.assert_close(fresh(x), trained(x))
+    on_meta = MultiHeadAttention(C, C, H, score_mod=make(), device="meta", dtype=torch.float64)
+    assert all(p.device.type == "meta" and p.dtype == torch.float64 for p in on_meta.parameters())
+    on_meta.to_empty(device="cpu")
+    on_meta.reset_parameters()
+    reference = MultiHeadAttention(C, C, H, score_mod=make(), dtype=torch.float64)
+    reference.load_state_dict({k: v for k, v in on_meta.state_dict().items() if not k.startswith("score_mod_")},
+                              strict=False)
+    torch.testing.assert_close(on_meta(_x()), reference(_x()))  # the modifier reads the values it was given
+    shared = make()
+    tied = nn.ModuleList([MultiHeadAttention(C, C, H, score_mod=shared) for _ in range(2)])
+    with torch.no_grad():
+        next(p for n, p in tied[0].named_parameters() if n.startswith("score_mod_")).zero_()
+    second = next(p for n, p in tied[1].named_parameters() if n.startswith("score_mod_"))
+    assert bool((second != 0).all())  # each layer's own copy, as sinks are
 
 
 def test_sinks_are_the_layers_own_on_its_device_and_reset_to_zero():

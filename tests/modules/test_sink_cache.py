@@ -206,8 +206,13 @@ def test_bad_use_is_refused_with_the_reason():
     layer(x, kv_cache=cache)
     with pytest.raises(ValueError, match=r"holds \(B, G, D, Dv\)=\(2, 2, 4, 4\) but got \(1, 2, 4, 4\).*reset"):
         layer(x[:1], kv_cache=cache)
+    for rope in (None, RotaryEmbedding(4), RotaryEmbedding(8)):  # no rope, or another layer's: evictions went wrong
+        with pytest.raises(ValueError, match=r"rotates evicted keys with .* but the layer writing to it "
+                                             r"\(MultiHeadAttention\) rotates them with .*rope=layer\.rope"):
+            layer(x, kv_cache=SinkCache(sinks=1, window=4, rope=rope))
     with pytest.raises(ValueError, match="rope has head_dim=8 but the keys have D=4"):
-        layer(x, kv_cache=SinkCache(sinks=1, window=4, rope=RotaryEmbedding(8)))
+        SinkCache(sinks=1, window=4, rope=RotaryEmbedding(8)).update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4),
+                                                                     None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,9 @@ H query heads, G key/value heads, D head dim, C = H * D (= d_out unless
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -56,6 +59,11 @@ def _positional_arity(fn: object) -> int:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
+def _bind_learned_after_load(layer: MultiHeadAttention, _: object) -> None:
+    """``load_state_dict``'s post-hook: ``assign=True`` replaced the layer's parameter objects."""
+    layer._bind_learned()
+
+
 class MultiHeadAttention(AttentionHeads):
     """Multi-head self-attention with a fused projection, GQA, RoPE, windows and a KV cache.
 
@@ -99,7 +107,9 @@ class MultiHeadAttention(AttentionHeads):
             (:meth:`reset_parameters` sets it to 0), another tensor is a fixed
             buffer; either is the layer's own copy, on its device and dtype.
             A built-in modifier's ``nn.Parameter`` (``alibi(slopes=...)``,
-            ``softcap(cap)``) is registered too, as ``score_mod_slopes`` etc.
+            ``softcap(cap)``) becomes the layer's own copy too, registered as
+            ``score_mod_slopes`` etc.: it trains, saves, loads (``assign=True``
+            included), moves and resets (to the value given) with the layer.
         backend: kernel for :func:`attnkit.attention` ("auto", "sdpa",
             "chunked", "math"; asking for weights uses "math" under "auto"),
             or a kernel component (:mod:`attnkit.backends.kernel`) such as
@@ -129,9 +139,10 @@ class MultiHeadAttention(AttentionHeads):
         self.qk_norm = _check_qk_norm(qk_norm)
         check_modifier(score_mod, "score_mod", SCORE_ARGS)
         check_modifier(mask_mod, "mask_mod", MASK_ARGS)
-        self.score_mod, self.mask_mod = score_mod, mask_mod  # an nn.Module is registered as a submodule
-        for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-            self._register_learned(name, fn)
+        self._learned: dict[str, tuple[str, str, Tensor]] = {}  # parameter -> (modifier, attribute, initial value)
+        self.score_mod = self._own_learned("score_mod", score_mod, factory)  # an nn.Module: a submodule
+        self.mask_mod = self._own_learned("mask_mod", mask_mod, factory)
+        self.register_load_state_dict_post_hook(_bind_learned_after_load)
         self.sinks: Tensor | None
         if isinstance(sinks, nn.Parameter):  # learned: trains with the layer, made where its parameters are
             self.sinks = nn.Parameter(_check_layer_sinks(sinks, self.num_heads).detach().to(**factory))
@@ -152,21 +163,47 @@ class MultiHeadAttention(AttentionHeads):
         return (f"{self._heads_repr()}, causal={self.causal}{window}{mods}{sinks}, dropout={self.dropout}, "
                 f"backend={self.backend!r}")
 
-    def _register_learned(self, name: str, fn: object) -> None:
-        """The parameters a built-in modifier holds (``alibi(slopes=nn.Parameter(...))``, a learned
-        ``softcap``), registered with the layer: they train, save and move with it."""
-        if fn is None or isinstance(fn, nn.Module):
-            return
-        for attribute, value in vars(fn).items() if hasattr(fn, "__dict__") else ():
-            if isinstance(value, nn.Parameter):
-                self.register_parameter(f"{name}_{attribute}", value)
+    def _own_learned(self, name: str, fn: Any, factory: dict[str, Any]) -> Any:
+        """``fn``, or where it holds ``nn.Parameter``s (``alibi(slopes=nn.Parameter(...))``, a learned
+        ``softcap``) a copy of it whose parameters are the layer's own, made as sinks are (on the layer's
+        device and dtype) and registered as ``{name}_{attribute}``. (Registering the caller's objects
+        left the modifier reading them after ``load_state_dict(assign=True)`` replaced the layer's, and
+        garbage after ``device="meta"``, ``to_empty()`` and :meth:`reset_parameters`.)"""
+        if fn is None or isinstance(fn, nn.Module) or not hasattr(fn, "__dict__"):
+            return fn
+        learned = {a: v for a, v in vars(fn).items() if isinstance(v, nn.Parameter)}
+        if not learned:
+            return fn
+        own = copy.copy(fn)
+        for attribute, value in learned.items():
+            key = f"{name}_{attribute}"
+            self.register_parameter(key, nn.Parameter(value.detach().to(**factory).clone()))
+            self._learned[key] = (name, attribute, value.detach().clone())
+            object.__setattr__(own, attribute, getattr(self, key))
+        return own
+
+    def _bind_learned(self) -> None:
+        """Point the modifiers' learned attributes at the layer's parameters (which ``load_state_dict(...,
+        assign=True)`` and ``swap_tensors`` conversions replace)."""
+        for key, (name, attribute, _) in self._learned.items():
+            fn = getattr(self, name, None)
+            if fn is not None and getattr(fn, attribute) is not getattr(self, key):
+                object.__setattr__(fn, attribute, getattr(self, key))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MultiHeadAttention:
+        super()._apply(fn, recurse)
+        self._bind_learned()
+        return self
 
     def reset_parameters(self) -> None:
-        """Re-initialise the projections and components as the constructor does; learned sinks to 0."""
+        """Re-initialise the projections and components as the constructor does; learned sinks to 0 and a
+        modifier's learned parameters to the values it was given."""
         super().reset_parameters()
-        if isinstance(self.sinks, nn.Parameter):
-            with torch.no_grad():
+        with torch.no_grad():
+            if isinstance(self.sinks, nn.Parameter):
                 self.sinks.zero_()
+            for key, (_, _, initial) in self._learned.items():
+                getattr(self, key).copy_(initial)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries (B, H, T, D), keys and values (B, G, T, D): q and k normalised by ``qk_norm``, not rotated."""

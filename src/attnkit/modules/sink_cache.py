@@ -130,6 +130,11 @@ class SinkCache(_Ownership):
         An eviction writes new storage and an append writes past what is held,
         so the checkpoint's tensors stay valid: :meth:`restore` only puts them back.
         """
+        layers_rope = getattr(owner, "rope", self.rope)  # a layer has one (None without rotary embeddings)
+        if layers_rope is not self.rope:  # an eviction would rotate the keys by another rotation, silently
+            raise ValueError(f"this SinkCache rotates evicted keys with {self.rope!r} but the layer writing to it "
+                             f"({type(owner).__name__}) rotates them with {layers_rope!r}: build the cache with "
+                             "rope=layer.rope (None only for a layer without rotary embeddings)")
         before = self._claim_owner(owner)
         return (self._length, self.seen, before, self._k, self._v)
 
