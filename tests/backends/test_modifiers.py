@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnkit import attention
-from attnkit.backends import BACKENDS, choose, chunked, make_call
+from attnkit.backends import BACKENDS, blockmods, choose, chunked, make_call
 from attnkit.functional import (
     MaskModifier,
     alibi,
@@ -31,6 +31,7 @@ from attnkit.functional import (
     sliding_window,
     softcap,
 )
+from attnkit.functional.modifiers import Alibi, Band
 from tests.backends.test_memory import LargestTensor
 
 
@@ -234,13 +235,11 @@ def test_a_built_in_mask_skips_hidden_blocks_and_evaluates_only_partial_ones():
     blocks only, and the score modifier runs on the 6 blocks with something visible."""
     q = k = v = torch.randn(1, 2, 32, 4, dtype=torch.float64)
     mask = and_masks(causal(), document_mask(_ids(32, 2)))
-    evaluated = []
-    original = type(mask).__call__
     score = _Spy(lambda s, *idx: s * 0.5)
     with blocks_of(8, 8), torch.no_grad(), mock.patch.object(
-            type(mask), "__call__", lambda self, *idx: evaluated.append(1) or original(self, *idx)):
+            blockmods, "apply_mask_mod", wraps=blockmods.apply_mask_mod) as evaluated:
         out = attention(q, k, v, mask_mod=mask, score_mod=score, backend="chunked")
-    assert len(evaluated) == 4
+    assert evaluated.call_count == 4
     dense = (torch.arange(32)[None] <= torch.arange(32)[:, None]) & (_ids(32, 2)[:, None] == _ids(32, 2)[None])
     assert len(score.shapes) == _visible_blocks(dense, 8, 8) == 6
     expected = reference(q[:, :, :8], k[:, :, :8], v[:, :, :8], causal=True, score_mod=lambda s, *i: s * 0.5)
@@ -440,10 +439,12 @@ def test_a_mask_modifier_that_returns_the_wrong_thing_is_named(backend, kwargs, 
 
 @pytest.mark.parametrize("backend", ["math", "chunked"])
 @pytest.mark.parametrize(("score_mod", "error", "message"), [
-    (lambda s, b, h, q_idx, kv_idx: s > 0, TypeError,
-     r"score_mod .*<lambda> returned a torch.bool tensor; expected a floating-point tensor of the scores' shape"),
-    (lambda s, b, h, q_idx, kv_idx: s.sum(-1), ValueError,  # chunked finds it on a (B, H, 1, 1) probe
-     r"score_mod .* returned shape \(2, 2, [13]\); expected the scores' shape \(2, 2, [13], [15]\) \(B, H, T, S\): "
+    (lambda s, b, h, q_idx, kv_idx: s > 0, TypeError,  # the call's scores, not chunked's (B, H, 1, 1) probe
+     r"score_mod .*<lambda> returned a torch.bool tensor; expected a floating-point tensor of the scores' shape "
+     r"\(2, 2, 3, 5\)$"),
+    (lambda s, b, h, q_idx, kv_idx: s.sum(-1), ValueError,  # chunked finds it on the probe, and says so
+     r"score_mod .* returned shape \((2, 2, 3\); expected the scores' shape \(2, 2, 3, 5\) \(B, H, T, S\)|2, 2, 1\) "
+     r"on a block \(2, 2, 1, 1\) of the scores \(B, H, T, S\) = \(2, 2, 3, 5\); expected the block's shape): "
      r"a score modifier must not change it"),
     (lambda s, b, h, q_idx, kv_idx: s[None], ValueError, r"returned shape \(1, 2, 2, [13], [15]\)"),
     (lambda s, b, h, q_idx, kv_idx: 1.0, TypeError, r"score_mod .* returned float; expected a floating-point"),
@@ -495,6 +496,73 @@ def test_a_mask_modifier_subclass_without_a_rule_is_evaluated_per_block():
     with blocks_of(2, 2):
         out = attention(q, k, v, mask_mod=EvenKeys(), backend="chunked")
     torch.testing.assert_close(out, reference(q, k, v, mask_mod=EvenKeys()).float())
+
+
+class _CausalAndLastKey(Band):
+    """causal(), and every query sees key 4 too: Band's rule (nothing above the diagonal) does not say so."""
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return super().__call__(b, h, q_idx, kv_idx) | (kv_idx == 4)
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_a_mask_subclass_that_overrides_call_alone_has_no_inherited_rule(combined):
+    """Chunked must not skip key 4 (above the diagonal for queries 2 and 3) on the word of Band's rule, which
+    describes Band's call, not the subclass's; alone and inside and_masks (whose rule combines its members')."""
+    mask = _CausalAndLastKey()
+    if combined:
+        mask = and_masks(mask, document_mask(torch.zeros(5, dtype=torch.long)))
+    q, k, v = _qkv()
+    expected = reference(q, k, v, mask_mod=mask).float()
+    with blocks_of(2, 2):
+        torch.testing.assert_close(attention(q, k, v, mask_mod=mask, backend="chunked"), expected)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_errors_of_modifiers_name_the_calls_scores_not_a_block_or_probe(grad):
+    """Chunked runs modifiers on (Tb, Sb) blocks and, to find the tensors a score modifier closes over, on a
+    (B, H, 1, 1) probe; their errors still name the scores (B, H, T, S) = (2, 2, 3, 5) of the call."""
+    with blocks_of(2, 2), torch.set_grad_enabled(grad):
+        with pytest.raises(TypeError, match=r"returned a torch.bool tensor; expected a floating-point tensor of the "
+                                            r"scores' shape \(2, 2, 3, 5\)$"):
+            attention(*_qkv(), score_mod=lambda s, b, h, q_idx, kv_idx: s > 0, backend="chunked")
+        with pytest.raises(ValueError, match=r"returned shape \(1, 1, 2, 2, 1\); expected a bool tensor that "
+                                             r"broadcasts to its block \(2, 2, 2, 2\) of \(B, H, T, S\) = "
+                                             r"\(2, 2, 3, 5\)$"):
+            attention(*_qkv(), mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx)[..., None], backend="chunked")
+
+
+def test_a_built_in_score_modifier_is_not_run_on_a_probe():
+    """alibi and softcap name the tensors they read, so chunked needs no probe (B, H, 1, 1) to find which need
+    gradients: with nothing requiring grad it runs them on the blocks alone; learned slopes still get math's
+    gradient when q, k and v need none."""
+    q, k, v = _qkv()
+    seen = []
+    original = Alibi.__call__
+    with mock.patch.object(Alibi, "__call__", lambda self, s, *idx: seen.append(s.shape) or original(self, s, *idx)):
+        attention(q, k, v, score_mod=alibi(2), backend="chunked")
+        assert (2, 2, 1, 1) not in seen
+        slopes = alibi_slopes(2).requires_grad_()
+        grads = [torch.autograd.grad(attention(q, k, v, score_mod=alibi(slopes=slopes), backend=backend).pow(2).sum(),
+                                     slopes) for backend in ("math", "chunked")]
+    assert grads[0][0].abs().sum() > 0
+    torch.testing.assert_close(*grads)
+
+
+def test_a_score_subclass_that_overrides_call_alone_is_probed_for_what_it_reads():
+    """alibi's list of the tensors it reads does not describe a subclass's own call (here, one more learned
+    tensor): chunked runs it on a probe instead, and the temperature gets math's gradient."""
+    temperature = torch.tensor(0.7, requires_grad=True)
+
+    class Tempered(Alibi):
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return super().__call__(score, b, h, q_idx, kv_idx) / temperature
+
+    mod, (q, k, v) = Tempered(alibi_slopes(2)), _qkv()
+    grads = [torch.autograd.grad(attention(q, k, v, score_mod=mod, backend=backend).pow(2).sum(), temperature)
+             for backend in ("math", "chunked")]
+    assert grads[0][0] != 0
+    torch.testing.assert_close(*grads)
 
 
 def test_a_document_mask_refuses_queries_before_position_zero():

@@ -31,7 +31,7 @@ from attnkit.functional import (
     sliding_window,
     softcap,
 )
-from attnkit.functional.modifiers import KeysBefore
+from attnkit.functional.modifiers import AndMasks, Band, KeysBefore, block_rule_of
 from tests.backends.test_modifiers import blocks_of, reference
 
 B, H, G, T, S = 2, 4, 2, 6, 9  # the queries are positions 3 .. 8 of 9
@@ -141,7 +141,7 @@ def masks_and_blocks(draw):
     pieces = [causal(), sliding_window(draw(st.integers(1, 4))), prefix_lm(draw(st.integers(0, s))),
               prefix_lm(lengths), KeysBefore(draw(st.integers(0, s)), "length"), KeysBefore(lengths, "lengths"),
               sink_window(draw(st.integers(1, 3)), draw(st.integers(1, 3))), document_mask(ids),
-              document_mask(ids[0]), document_mask(torch.randint(0, 3, (s,), generator=gen)),  # unsorted: no rule
+              document_mask(ids[0]), document_mask(torch.randint(0, 3, (s,), generator=gen)),  # ids that come back
               document_mask(ids, causal())]  # nested: NONE only
     mask = draw(st.sampled_from(pieces))
     for _ in range(draw(st.integers(0, 2))):
@@ -186,13 +186,46 @@ def test_combined_verdicts_are_sound_where_members_are_partial_or_unknown():
     assert either.combine([None, every]) is every
 
 
-def test_sorted_documents_get_an_exact_rule_and_unsorted_ones_none():
-    ids = torch.tensor([0, 0, 1, 1, 2, 2])
-    rule = document_mask(ids).block_rule(1, range(6), range(6))
+@pytest.mark.parametrize("ids", [[0, 0, 1, 1, 2, 2], [0, 0, 1, 1, 0, 0]])
+def test_documents_get_an_exact_rule_whatever_their_ids(ids):
+    """A document is a run, so documents are in order along the sequence whether or not their ids are sorted;
+    the first and last of [0, 0, 1, 1, 0, 0] are two documents, with nothing visible between them."""
+    rule = document_mask(torch.tensor(ids)).block_rule(1, range(6), range(6))
     assert rule(range(0, 2), range(0, 2)) is Visibility.ALL
     assert rule(range(0, 2), range(2, 4)) is Visibility.NONE
     assert rule(range(1, 3), range(0, 4)) is Visibility.SOME
-    assert document_mask(torch.tensor([0, 1, 0])).block_rule(1, range(3), range(3)) is None
+    assert rule(range(4, 6), range(0, 2)) is Visibility.NONE
+
+
+def test_a_subclass_keeps_an_inherited_block_rule_only_while_the_rule_speaks_for_its_call():
+    """A rule describes the call of the class that defines it (or of a subclass of it): a subclass that
+    overrides __call__ alone has no rule, alone or inside and_masks; one that overrides both keeps its own."""
+
+    class Renamed(Band):
+        def __repr__(self):
+            return "renamed"
+
+    class Wider(Band):
+        def __call__(self, b, h, q_idx, kv_idx):
+            return super().__call__(b, h, q_idx, kv_idx) | (kv_idx == 0)
+
+    class WiderWithRule(Wider):
+        def block_rule(self, batch, q_positions, kv_positions):
+            return lambda qs, ks: Visibility.SOME
+
+    class Both(AndMasks):
+        def __call__(self, b, h, q_idx, kv_idx):
+            return super().__call__(b, h, q_idx, kv_idx) | (kv_idx == 0)
+
+    def rule(mask):
+        return block_rule_of(mask, 1, range(6), range(6))
+
+    assert rule(Renamed())(range(0, 2), range(4, 6)) is Visibility.NONE
+    assert rule(Wider()) is None and and_masks(Wider()).block_rule(1, range(6), range(6)) is None
+    assert rule(WiderWithRule())(range(0, 2), range(4, 6)) is Visibility.SOME
+    assert rule(and_masks(causal(), causal()))(range(0, 2), range(4, 6)) is Visibility.NONE
+    assert rule(Both((causal(), causal()))) is None
+    assert rule(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx) is None
 
 
 # ----------------------------------------------------------------------------- values of the built-ins
@@ -228,6 +261,29 @@ def test_document_positions_restart_at_each_run():
     expected = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7]])
     assert torch.equal(document_positions(ids), expected)
     assert torch.equal(document_positions(ids[0]), expected[0])
+
+
+@pytest.mark.parametrize("backend", ["math", "chunked"])
+@pytest.mark.parametrize("queries", [6, 2])
+def test_a_document_is_a_run_of_equal_ids_so_an_id_that_comes_back_starts_another(backend, queries):
+    """Each row holds three documents, as document_positions counts them: no query sees another run's keys,
+    though they share its id, and prefix_lm(1) nested inside sees no future token of a later run (its
+    positions restart there). The whole sequence, and its last two queries (decoding, positions 4 and 5)."""
+    ids = torch.tensor([[0, 0, 1, 1, 0, 0], [3, 3, 3, 5, 3, 3]])
+    runs = torch.tensor([[0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 2, 2]])
+    visible = (runs[:, :, None] == runs[:, None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()  # (B, S, S)
+
+    def expected_mask(b, h, q_idx, kv_idx):
+        return visible[b, q_idx, kv_idx]
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 6, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    q = q[:, :, -queries:]
+    expected = reference(q, k, v, mask_mod=expected_mask)
+    for mask in (and_masks(causal(), document_mask(ids)), document_mask(ids, prefix_lm(1))):
+        with blocks_of(2, 2):
+            out = attention(q, k, v, mask_mod=mask, backend=backend)
+        torch.testing.assert_close(out, expected, msg=lambda m, mask=mask: f"{mask!r}: {m}")
 
 
 def test_a_mask_nested_in_a_document_sees_positions_that_restart_there():

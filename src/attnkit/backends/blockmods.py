@@ -6,9 +6,11 @@ first and last positions of a block of queries and of keys alone (interval
 arithmetic, nothing evaluated) it says NONE (nothing visible: the block is
 skipped), ALL (everything visible: the mask is not evaluated), SOME
 (something visible) or None (unknown). The built-ins are exact where they can
-be (the band, key prefixes, sorted document ids) and and_masks / or_masks
-combine their members' verdicts soundly. Where the verdict is SOME or None,
-the mask modifier is evaluated on that block alone, (Tb, Sb), never on (T, S);
+be (the band, key prefixes, document ids) and and_masks / or_masks
+combine their members' verdicts soundly; a subclass that overrides
+``__call__`` but not the rule it inherits has no rule (it is a plain
+function to the kernel). Where the verdict is SOME or None, the mask
+modifier is evaluated on that block alone, (Tb, Sb), never on (T, S);
 after a None, a block whose mask hides everything is skipped too (and one that
 hides nothing skips the masking), except under torch.compile and torch.func,
 which cannot branch on data. A plain function (FlexAttention's form) thus gets
@@ -38,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from attnkit.functional.masks import Visibility
-from attnkit.functional.modifiers import BlockRule, MaskMod, MaskModifier, ScoreMod, ScoreModifier
+from attnkit.functional.modifiers import BlockRule, MaskMod, ScoreMod, ScoreModifier, block_rule_of
 
 from .modifiers import apply_mask_mod, apply_score_mod, can_branch_on_data, declares, index_grid
 
@@ -57,6 +59,7 @@ class BlockMods:
     are the batch and head indices. With explicit positions, ``q_pos``
     (B, 1, T, 1) and ``k_pos`` (B, 1, 1, S) give every query's and key's
     position instead (and there is no block rule: ranges do not describe them).
+    ``shape``: the call's scores (B, H, T, S), which errors name (None: the block's own shape).
     """
 
     score_mod: ScoreMod | None
@@ -68,6 +71,7 @@ class BlockMods:
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
     in_place: bool = False  # score_mod has its own in-place form (ScoreModifier.modify_): found once, not per block
+    shape: tuple[int, ...] | None = None
 
     def positions(self, rows: range, cols: range, offset: int) -> tuple[range, range]:
         first_q = self.key_start + offset
@@ -106,7 +110,8 @@ class BlockMods:
                 continue
             keep = None
             if state is not Visibility.ALL and self.mask_mod is not None:
-                keep = apply_mask_mod(self.mask_mod, self.indices(rows, cols, offset))  # (B?, H?, Tb, Sb)
+                idx = self.indices(rows, cols, offset)
+                keep = apply_mask_mod(self.mask_mod, idx, self.shape)  # (B?, H?, Tb, Sb)
                 if state is None and can_branch_on_data(keep):  # the rule could not tell: the mask does
                     if not keep.any():
                         continue
@@ -126,7 +131,7 @@ class BlockMods:
         if inplace and self.in_place:  # a built-in writes into s4
             s4 = self.score_mod.modify_(s4, *self.indices(rows, cols, offset))  # type: ignore[union-attr]
         elif self.score_mod is not None:
-            s4 = apply_score_mod(self.score_mod, s4, self.indices(rows, cols, offset))
+            s4 = apply_score_mod(self.score_mod, s4, self.indices(rows, cols, offset), self.shape)
             inplace = False  # its result may be expanded, or saved for its backward
         if mask is not None and mask.dtype == torch.bool:
             keep = mask if keep is None else keep & mask
@@ -164,21 +169,20 @@ class BlockMods:
 
 def block_mods(score_mod: ScoreMod | None, mask_mod: MaskMod | None, *, batch: int, num_heads: int,
                q_positions: range, kv_positions: range, device: torch.device,
-               explicit: tuple[Tensor, Tensor] | None = None) -> BlockMods:
+               explicit: tuple[Tensor, Tensor] | None = None, shape: tuple[int, ...] | None = None) -> BlockMods:
     """The :class:`BlockMods` of a call whose queries and keys sit at these positions.
 
     ``explicit``: (queries (B, T), keys (B, S)) positions, long, that replace the ranges.
+    ``shape``: the call's scores (B, H, T, S), for the modifiers' errors to name.
     """
     b, h, _, _ = index_grid(batch, num_heads, range(0), range(0), device)
     in_place = isinstance(score_mod, ScoreModifier) and declares(score_mod, "modify_")
     if explicit is not None:
         q_pos, k_pos = explicit
         q4, k4 = q_pos[:, None, :, None], k_pos[:, None, None, :]  # (B, T) -> (B, 1, T, 1), (B, S) -> (B, 1, 1, S)
-        return BlockMods(score_mod, mask_mod, None, b, h, 0, q4, k4, in_place)
-    rule = None
-    if isinstance(mask_mod, MaskModifier):
-        rule = mask_mod.block_rule(batch, q_positions, kv_positions)
-    return BlockMods(score_mod, mask_mod, rule, b, h, kv_positions.start, in_place=in_place)
+        return BlockMods(score_mod, mask_mod, None, b, h, 0, q4, k4, in_place, shape)
+    rule = block_rule_of(mask_mod, batch, q_positions, kv_positions)  # None for a mask that is opaque to it
+    return BlockMods(score_mod, mask_mod, rule, b, h, kv_positions.start, in_place=in_place, shape=shape)
 
 
 class _Captures(TorchFunctionMode):
@@ -206,15 +210,19 @@ class _Captures(TorchFunctionMode):
 def captured_tensors(score_mod: ScoreMod, probe: Tensor, mods: BlockMods, offset: int) -> tuple[Tensor, ...]:
     """The tensors ``score_mod`` closes over that require grad, in the order it reads them.
 
-    Runs it once on ``probe`` (B, H, 1, 1) scores at the first query and key
-    (under no_grad: no graph is built) and keeps every tensor that it passes
-    to a torch function, that requires grad, and that neither the arguments
-    nor the modifier itself made. Closures, globals, module parameters and
-    bound objects are found alike; a tensor read only on some other branch
-    of the modifier's own control flow would be missed.
+    A built-in names them (:meth:`ScoreModifier.tensors`) and is not run.
+    Any other modifier is run once on ``probe`` (B, H, 1, 1) scores at the
+    first query and key (under no_grad: no graph is built; an error names
+    the call's scores, ``mods.shape``), and every tensor is kept that it
+    passes to a torch function, that requires grad, and that neither the
+    arguments nor the modifier itself made. Closures, globals, module
+    parameters and bound objects are found alike; a tensor read only on
+    some other branch of the modifier's own control flow would be missed.
     """
+    if isinstance(score_mod, ScoreModifier) and declares(score_mod, "tensors"):
+        return tuple(t for t in score_mod.tensors() or () if t.requires_grad)
     b, h, q_idx, kv_idx = mods.indices(range(1), range(1), offset)
     inputs = (probe, b, h, q_idx, kv_idx)
     with torch.no_grad(), _Captures(inputs) as mode:
-        apply_score_mod(score_mod, probe, inputs[1:])  # what it returns is checked here first
+        apply_score_mod(score_mod, probe, inputs[1:], mods.shape)  # what it returns is checked here first
     return tuple(mode.found.values())

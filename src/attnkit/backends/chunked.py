@@ -422,9 +422,10 @@ def _plan(call: AttentionCall) -> BlockPlan:
         return block_plan(call.q, call.num_keys, causal=call.causal, scale=call.scale, offset=call.offset,
                           window=call.window)
     explicit = None if call.q_pos is None or call.k_pos is None else (call.q_pos, call.k_pos)
-    mods = block_mods(call.score_mod, call.visibility_mod(), batch=call.q.shape[0], num_heads=call.num_heads,
+    batch = call.q.shape[0]
+    mods = block_mods(call.score_mod, call.visibility_mod(), batch=batch, num_heads=call.num_heads,
                       q_positions=call.q_positions, kv_positions=call.kv_positions, device=call.q.device,
-                      explicit=explicit)
+                      explicit=explicit, shape=(batch, call.num_heads, call.num_queries, call.num_keys))
     return block_plan(call.q, call.num_keys, causal=False, scale=call.scale, offset=call.offset, mods=mods)
 
 

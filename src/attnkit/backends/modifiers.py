@@ -29,6 +29,7 @@ from attnkit.functional.modifiers import (
     MaskModifier,
     ScoreMod,
     ScoreModifier,
+    declares,
     mask_result,
     modifier_name,
 )
@@ -132,27 +133,39 @@ def _scores_shape(idx: tuple[Tensor, ...]) -> tuple[int, int, int, int]:
     return b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3]
 
 
-def apply_score_mod(fn: ScoreMod, scores: Tensor, idx: tuple[Tensor, ...]) -> Tensor:
-    """fn(scores, *idx), checked: floating point, of the scores' shape (a smaller result broadcasts to it)."""
+def apply_score_mod(fn: ScoreMod, scores: Tensor, idx: tuple[Tensor, ...],
+                    whole: tuple[int, ...] | None = None) -> Tensor:
+    """fn(scores, *idx), checked: floating point, of the scores' shape (a smaller result broadcasts to it).
+
+    ``whole``: the call's scores (B, H, T, S) when ``scores`` is a block of
+    them (a kernel's block, a probe), for the errors to name.
+    """
     out = call_modifier(fn, "score_mod", SCORE_ARGS, scores, *idx)
+    shape = tuple(scores.shape)
+    whole = shape if whole is None else tuple(whole)
     if not isinstance(out, Tensor) or not out.is_floating_point():
         got = f"a {out.dtype} tensor" if isinstance(out, Tensor) else f"{type(out).__name__}"
         raise TypeError(f"score_mod {modifier_name(fn)} returned {got}; expected a floating-point tensor of the "
-                        f"scores' shape {tuple(scores.shape)}")
+                        f"scores' shape {whole}")
     if out.shape != scores.shape:
         try:
             fits = torch.broadcast_shapes(out.shape, scores.shape) == scores.shape
         except RuntimeError:
             fits = False
         if not fits:
-            raise ValueError(f"score_mod {modifier_name(fn)} returned shape {tuple(out.shape)}; expected the scores' "
-                             f"shape {tuple(scores.shape)} (B, H, T, S): a score modifier must not change it")
+            on = "" if whole == shape else f" on a block {shape} of the scores (B, H, T, S) = {whole}"
+            expected = "the block's shape" if on else f"the scores' shape {shape} (B, H, T, S)"
+            raise ValueError(f"score_mod {modifier_name(fn)} returned shape {tuple(out.shape)}{on}; expected "
+                             f"{expected}: a score modifier must not change it")
         out = out.expand(scores.shape).contiguous()  # the kernels may write into it
     return out if out.dtype == scores.dtype else out.to(scores.dtype)
 
 
-def apply_mask_mod(fn: MaskMod, idx: tuple[Tensor, ...]) -> Tensor:
-    """fn(*idx), checked: bool, broadcastable to (B, H, Tb, Sb) of these indices."""
+def apply_mask_mod(fn: MaskMod, idx: tuple[Tensor, ...], whole: tuple[int, ...] | None = None) -> Tensor:
+    """fn(*idx), checked: bool, broadcastable to (B, H, Tb, Sb) of these indices.
+
+    ``whole``: the call's scores (B, H, T, S) when the indices are a block of them, for the error to name.
+    """
     out = mask_result(fn, call_modifier(fn, "mask_mod", MASK_ARGS, *idx))
     shape = _scores_shape(idx)
     try:
@@ -160,26 +173,15 @@ def apply_mask_mod(fn: MaskMod, idx: tuple[Tensor, ...]) -> Tensor:
     except RuntimeError:
         fits = False
     if not fits:
+        to = f"(B, H, T, S) = {shape}" if whole in (None, shape) else f"its block {shape} of (B, H, T, S) = {whole}"
         raise ValueError(f"mask_mod {modifier_name(fn)} returned shape {tuple(out.shape)}; expected a bool tensor "
-                         f"that broadcasts to (B, H, T, S) = {shape}")
+                         f"that broadcasts to {to}")
     return out
 
 
 def additive_bias(fn: ScoreMod) -> ScoreModifier | None:
     """``fn`` if it declares itself score + bias (:meth:`ScoreModifier.bias`), else None."""
     return fn if isinstance(fn, ScoreModifier) and declares(fn, "bias") else None
-
-
-def declares(fn: ScoreModifier, method: str) -> bool:
-    """Whether ``fn``'s ``method`` (``bias``, ``modify_``) is its own and speaks for its ``__call__``.
-
-    A subclass that overrides ``__call__`` alone inherits a method that no
-    longer describes it: then False, and kernels call the modifier itself.
-    """
-    mro = type(fn).__mro__
-    defines_call = next(c for c in mro if "__call__" in vars(c))
-    defines_method = next(c for c in mro if method in vars(c))
-    return defines_method is not ScoreModifier and issubclass(defines_method, defines_call)
 
 
 def can_branch_on_data(t: Tensor) -> bool:

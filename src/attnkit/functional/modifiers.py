@@ -21,7 +21,14 @@ kernels more about themselves:
   chunked kernel skips hidden blocks without evaluating the mask there;
 - a :class:`ScoreModifier` that only adds a bias (``alibi``) says so with
   :meth:`ScoreModifier.bias`, so SDPA can serve it as an additive mask;
+- a :class:`ScoreModifier` may name the tensors it reads
+  (:meth:`ScoreModifier.tensors`: alibi's slopes, softcap's cap), so the
+  chunked kernel need not run it once to find those that need gradients;
 - both may ``check`` a call (head counts, document id lengths) before it runs.
+
+A subclass that overrides ``__call__`` alone keeps none of the rule, bias,
+in-place form or tensors it inherits: they describe its parent's call
+(:func:`declares`).
 
 Documents: :func:`document_mask` keeps each query inside its own document.
 Modifiers that depend only on the distance kv_idx - q_idx (causal, sliding
@@ -71,6 +78,12 @@ class ScoreModifier:
         differentiates through); by default, the call itself."""
         return self(score, b, h, q_idx, kv_idx)
 
+    def tensors(self) -> tuple[Tensor, ...] | None:
+        """Every tensor the call reads besides its arguments (learned slopes, caps), so that a kernel knows
+        which may need gradients without running it; None (the default): unknown, the kernel runs it once to
+        find them."""
+        return None
+
     def check(self, batch: int, num_heads: int, q_positions: range, kv_positions: range) -> None:
         """Raise ValueError if this modifier cannot serve a call of this geometry."""
 
@@ -94,6 +107,23 @@ def modifier_name(fn: object) -> str:
     if isinstance(fn, (ScoreModifier, MaskModifier)):
         return repr(fn)
     return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def declares(fn: object, method: str) -> bool:
+    """Whether ``fn``'s ``method`` (``block_rule``, ``bias``, ``modify_``, ``tensors``) is its own and speaks for
+    its ``__call__``: defined by the class that defines ``__call__`` or by a subclass of it, and not the
+    base's default.
+
+    A subclass that overrides ``__call__`` alone inherits a method that no
+    longer describes it: then False, and kernels treat the modifier as any
+    function (they call it, and skip no block on its parent's word).
+    """
+    mro = type(fn).__mro__
+    defines_call = next((c for c in mro if "__call__" in vars(c)), None)
+    defines_method = next((c for c in mro if method in vars(c)), None)
+    if defines_call is None or defines_method is None or defines_method in (ScoreModifier, MaskModifier):
+        return False
+    return issubclass(defines_method, defines_call)
 
 
 def _positive_int(name: str, value: object, *, minimum: int = 1) -> int:
@@ -139,6 +169,9 @@ class Alibi(ScoreModifier):
     def modify_(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score.add_(self.bias(b, h, q_idx, kv_idx).to(score.dtype))
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.slopes,)
+
     def check(self, batch: int, num_heads: int, q_positions: range, kv_positions: range) -> None:
         if self.slopes.numel() != num_heads:
             raise ValueError(f"{self!r} has {self.slopes.numel()} slopes (one per head) but q has H={num_heads} heads")
@@ -183,8 +216,14 @@ class Softcap(ScoreModifier):
     def modify_(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if isinstance(self.cap, Tensor):
             return self(score, b, h, q_idx, kv_idx)
-        # tanh(x) = 2 sigmoid(2x) - 1: PyTorch's CPU sigmoid measured 6x faster than its tanh (float32, AVX512)
+        # tanh(x) = 2 sigmoid(2x) - 1: PyTorch's CPU sigmoid measured 6x faster than its tanh (float32, AVX512;
+        # with tanh in place a causal T=2048 softcap call took 1.52x plain causal's time, with sigmoid 1.19x). The
+        # price: an absolute error of about cap * eps near 0 (1e-4 at cap 1000, 1e-5 at 50), where the call is
+        # relative; the backward recomputes through the call, off from this forward by as much.
         return score.mul_(2 / self.cap).sigmoid_().mul_(2 * self.cap).sub_(self.cap)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.cap,) if isinstance(self.cap, Tensor) else ()
 
     def check(self, batch: int, num_heads: int, q_positions: range, kv_positions: range) -> None:
         if isinstance(self.cap, Tensor) and self.cap.dim() == 1 and self.cap.numel() != num_heads:
@@ -285,6 +324,13 @@ def sink_window(sinks: int, window: int) -> MaskModifier:
     return or_masks(sliding_window(window), and_masks(causal(), KeysBefore(sinks, "sinks")))
 
 
+def _run_starts(doc_ids: Tensor) -> Tensor:
+    """True where a run of equal ids begins, (S,) or (B, S) like ``doc_ids``: at 0 and where the id changes."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    return starts
+
+
 def document_positions(doc_ids: Tensor) -> Tensor:
     """Positions that restart at 0 in each document: (S,) or (B, S) long, like ``doc_ids``.
 
@@ -293,15 +339,19 @@ def document_positions(doc_ids: Tensor) -> Tensor:
     :func:`document_mask` gives a modifier nested in it.
     """
     index = torch.arange(doc_ids.shape[-1], device=doc_ids.device).expand_as(doc_ids)  # (S,) or (B, S)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]  # a run begins where the id changes
-    first = torch.where(starts, index, 0).cummax(dim=-1).values  # where each token's run began
+    first = torch.where(_run_starts(doc_ids), index, 0).cummax(dim=-1).values  # where each token's run began
     return index - first
 
 
+def _documents(doc_ids: Tensor) -> Tensor:
+    """Each position's document, counted 1, 2, ... along each sequence, one per run of equal ids: sorted,
+    and equal only within a run ([7, 7, 3, 7] -> [1, 1, 2, 3])."""
+    return _run_starts(doc_ids).cumsum(dim=-1)  # (S,) or (B, S) long
+
+
 class DocumentMask(MaskModifier):
-    """Queries see only keys of their own document: doc_ids[q_idx] == doc_ids[kv_idx] (and ``inner``
-    at the positions within the document, when given)."""
+    """Queries see only keys of their own document, the run of equal ids they are in (and ``inner`` at the
+    positions within the document, when given): an id that comes back later starts another document."""
 
     def __init__(self, doc_ids: Tensor, inner: MaskMod | None = None) -> None:
         if (not isinstance(doc_ids, Tensor) or doc_ids.dim() not in (1, 2) or doc_ids.is_floating_point()
@@ -313,6 +363,7 @@ class DocumentMask(MaskModifier):
             raise TypeError(f"document_mask's mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool or None, "
                             f"got {type(inner).__name__}")
         self.doc_ids, self.inner = doc_ids, inner
+        self.documents = _documents(doc_ids)
         self.positions = None if inner is None else document_positions(doc_ids)
 
     def __repr__(self) -> str:
@@ -323,7 +374,7 @@ class DocumentMask(MaskModifier):
         return table[idx] if table.dim() == 1 else table[b, idx]  # (B?, 1, T, 1) or (B?, 1, 1, S)
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        same = self._at(self.doc_ids, b, q_idx) == self._at(self.doc_ids, b, kv_idx)  # (B?, 1, T, S)
+        same = self._at(self.documents, b, q_idx) == self._at(self.documents, b, kv_idx)  # (B?, 1, T, S)
         if self.inner is None or self.positions is None:
             return same
         local_q, local_kv = self._at(self.positions, b, q_idx), self._at(self.positions, b, kv_idx)
@@ -342,18 +393,19 @@ class DocumentMask(MaskModifier):
             self.inner.check(batch, num_heads, q_positions, kv_positions)
 
     def block_rule(self, batch: int, q_positions: range, kv_positions: range) -> BlockRule | None:
-        """Exact for ids sorted along each sequence (packed documents); None (evaluate each block) otherwise,
-        and while compiling (reading the ids would be a data-dependent branch)."""
-        if torch.compiler.is_compiling() or not bool((self.doc_ids[..., 1:] >= self.doc_ids[..., :-1]).all()):
+        """Exact (the documents are numbered in order along each sequence); None while compiling (reading them
+        would be a data-dependent branch)."""
+        if torch.compiler.is_compiling():
             return None
-        rows = self.doc_ids.tolist() if self.doc_ids.dim() == 2 else [self.doc_ids.tolist()]  # one host read
+        docs = self.documents
+        rows = docs.tolist() if docs.dim() == 2 else [docs.tolist()]  # one host read
         nested = self.inner is not None
 
         def rule(qs: range, ks: range) -> Visibility | None:
             overlap, single = False, True
             for row in rows:
                 qa, qb, ka, kb = row[qs.start], row[qs.stop - 1], row[ks.start], row[ks.stop - 1]
-                if qb >= ka and kb >= qa:  # sorted: the blocks share a document
+                if qb >= ka and kb >= qa:  # numbered in order: the blocks share a document
                     overlap = True
                     single = single and qa == qb == ka == kb
                 else:
@@ -368,9 +420,10 @@ def document_mask(doc_ids: Tensor, mask_mod: MaskMod | None = None) -> DocumentM
     """Packed sequences: each query sees only keys of its own document.
 
     ``doc_ids`` (S,) or (B, S), integer: the document of each position; a
-    document is a run of equal ids (sorted ids let the chunked kernel skip
-    blocks between documents without evaluating them). ``mask_mod``, if
-    given, applies within each document at positions that restart at 0 there
+    document is a run of equal ids, so an id may come back later as another
+    document ([0, 0, 1, 1, 0, 0] is three; the chunked kernel skips blocks
+    between documents without evaluating them). ``mask_mod``, if given,
+    applies within each document at positions that restart at 0 there
     (:func:`document_positions`).
     """
     return DocumentMask(doc_ids, mask_mod)
@@ -388,8 +441,12 @@ def mask_result(fn: object, out: object) -> Tensor:
     return out
 
 
-def _rule_of(fn: object, batch: int, q_positions: range, kv_positions: range) -> BlockRule | None:
-    return fn.block_rule(batch, q_positions, kv_positions) if isinstance(fn, MaskModifier) else None
+def block_rule_of(fn: object, batch: int, q_positions: range, kv_positions: range) -> BlockRule | None:
+    """``fn``'s block rule for a call at these positions; None for a plain function, and for a subclass that
+    overrides ``__call__`` but not the rule it inherits (which no longer describes it: see :func:`declares`)."""
+    if not isinstance(fn, MaskModifier) or not declares(fn, "block_rule"):
+        return None
+    return fn.block_rule(batch, q_positions, kv_positions)
 
 
 class _Combined(MaskModifier):
@@ -414,11 +471,22 @@ class _Combined(MaskModifier):
             if isinstance(mod, MaskModifier):
                 mod.check(batch, num_heads, q_positions, kv_positions)
 
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        result = mask_result(self.mods[0], self.mods[0](b, h, q_idx, kv_idx))
+        for mod in self.mods[1:]:
+            result = self.merge(result, mask_result(mod, mod(b, h, q_idx, kv_idx)))  # broadcasts
+        return result
+
+    def merge(self, seen: Tensor, more: Tensor) -> Tensor:
+        """The mask of the members so far and the next member's as one."""
+        raise NotImplementedError
+
     def combine(self, states: list[Visibility | None]) -> Visibility | None:
+        """The members' verdicts on one block as one."""
         raise NotImplementedError
 
     def block_rule(self, batch: int, q_positions: range, kv_positions: range) -> BlockRule | None:
-        rules = [_rule_of(mod, batch, q_positions, kv_positions) for mod in self.mods]
+        rules = [block_rule_of(mod, batch, q_positions, kv_positions) for mod in self.mods]
         if all(rule is None for rule in rules):
             return None
         return lambda qs, ks: self.combine([None if rule is None else rule(qs, ks) for rule in rules])
@@ -427,11 +495,8 @@ class _Combined(MaskModifier):
 class AndMasks(_Combined):
     name = "and_masks"
 
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        result = mask_result(self.mods[0], self.mods[0](b, h, q_idx, kv_idx))
-        for mod in self.mods[1:]:
-            result = result & mask_result(mod, mod(b, h, q_idx, kv_idx))  # broadcasts
-        return result
+    def merge(self, seen: Tensor, more: Tensor) -> Tensor:
+        return seen & more
 
     def combine(self, states: list[Visibility | None]) -> Visibility | None:
         if Visibility.NONE in states:
@@ -445,11 +510,8 @@ class AndMasks(_Combined):
 class OrMasks(_Combined):
     name = "or_masks"
 
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        result = mask_result(self.mods[0], self.mods[0](b, h, q_idx, kv_idx))
-        for mod in self.mods[1:]:
-            result = result | mask_result(mod, mod(b, h, q_idx, kv_idx))  # broadcasts
-        return result
+    def merge(self, seen: Tensor, more: Tensor) -> Tensor:
+        return seen | more
 
     def combine(self, states: list[Visibility | None]) -> Visibility | None:
         if Visibility.ALL in states:
