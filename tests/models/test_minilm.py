@@ -105,13 +105,34 @@ def test_text_that_tokenizes_to_nothing(minilm, text):
 
 def test_text_longer_than_512_positions(minilm):
     long = "word " * 600
-    with pytest.raises(ValueError, match=r"text has 602 tokens but MiniLM takes at most 512 positions; "
+    with pytest.raises(ValueError, match=r"text has 602 tokens but this takes at most MiniLM's 512 positions; "
                                          r"shorten it, or pass truncate=True"):
         minilm.tokenize(long)
     with pytest.warns(UserWarning, match=r"truncated to MiniLM's 512 positions"):
         batch = minilm.tokenize(long, truncate=True)
     assert batch["input_ids"].shape == (1, 512) and batch["input_ids"][0, -1].item() == 102  # ends in [SEP]
     assert minilm(batch["input_ids"]).shape == (1, 512, 384)
+
+
+def test_embed_takes_sentence_transformers_max_seq_length_and_turns_dropout_off(minilm):
+    """embed() read up to 512 tokens where sentence-transformers cuts at the model's max_seq_length (256: a
+    302-token text's vector was 0.963 from the reference), and in training mode it embedded with dropout on."""
+    assert minilm.max_seq_length == 256  # from the package's sentence_bert_config.json
+    long = "word " * 300
+    with pytest.raises(ValueError, match=r"at most 256 tokens \(max_seq_length"):
+        minilm.embed(long)
+    with pytest.warns(UserWarning, match=r"truncated to 256 tokens"):
+        cut = minilm.embed(long, truncate=True)
+    first = minilm.tokenize(long, truncate=True, limit=256)
+    hidden = minilm(first["input_ids"])  # (1, 256, C)
+    torch.testing.assert_close(cut, torch.nn.functional.normalize(hidden.mean(dim=1), dim=-1))
+    minilm.train()
+    try:
+        torch.testing.assert_close(minilm.embed(SENTENCES), minilm.embed(SENTENCES), rtol=0, atol=0)
+        assert minilm.training  # the caller's mode comes back
+    finally:
+        minilm.eval()
+    torch.testing.assert_close(minilm.embed(SENTENCES[:2]), minilm.embed(SENTENCES)[:2], atol=1e-6, rtol=1e-5)
 
 
 def test_bad_model_input(minilm):
@@ -123,6 +144,10 @@ def test_bad_model_input(minilm):
         minilm(torch.tensor([[101, 30522, 102]]))
     with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids \(1, 3\), got \(1, 2\)"):
         minilm(torch.tensor([[101, 2000, 102]]), attention_mask=torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"token_type_ids must lie in \[0, 2\), got values from 0 to 5"):
+        minilm(torch.tensor([[101, 2000, 102]]), token_type_ids=torch.tensor([[0, 0, 5]]))
+    with pytest.raises(ValueError, match=r"token_type_ids must be a torch.long tensor of input_ids' shape \(1, 3\)"):
+        minilm(torch.tensor([[101, 2000, 102]]), token_type_ids=torch.zeros(1, 2, dtype=torch.long))
 
 
 def test_missing_files_and_missing_packages(tmp_path, monkeypatch):

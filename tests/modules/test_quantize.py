@@ -237,6 +237,7 @@ def test_float32_leaves_any_model_as_it_is_and_int8_skips_widths_its_kernel_gets
 
     half = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
     assert quantize(half, "float32") is half and half[0].weight.dtype == torch.bfloat16
+    assert not half.training  # returned in eval mode, as every other form (it stayed in training mode)
     with pytest.warns(UserWarning, match=r"1 of 2 linear layers keep another form: 0 \(float32"):
         model = quantize(nn.Sequential(nn.Linear(24, 16), nn.Linear(16, 16)), "int8")
     assert type(model[0]) is nn.Linear and isinstance(model[1], Int8Linear)

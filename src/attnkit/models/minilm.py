@@ -97,14 +97,17 @@ class MiniLM(nn.Module):
 
     ``forward`` returns the last hidden state; attention weights come from
     :func:`attnkit.trace` (layers are named ``layers.<i>.attention``).
+    ``max_seq_length``: the most tokens :meth:`embed` takes (sentence-transformers'
+    ``max_seq_length``, 256 for all-MiniLM-L6-v2; None: every position).
     """
 
-    def __init__(self, config: BertConfig, tokenizer: Any = None) -> None:
+    def __init__(self, config: BertConfig, tokenizer: Any = None, *, max_seq_length: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
         self.tokenizer = tokenizer
+        self.max_seq_length = max_seq_length
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MiniLM:
         check_conversion(self, fn)  # a quantized model refuses .half() / .cuda() before any module converts
@@ -126,6 +129,18 @@ class MiniLM(nn.Module):
             raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
         return attention_mask.to(device=input_ids.device).bool()
 
+    def _check_token_types(self, input_ids: Tensor, token_type_ids: object) -> None:
+        if not isinstance(token_type_ids, Tensor) or token_type_ids.shape != input_ids.shape or \
+                token_type_ids.dtype != torch.long:
+            got = (tuple(token_type_ids.shape), token_type_ids.dtype) if isinstance(token_type_ids, Tensor) else \
+                type(token_type_ids).__name__
+            raise ValueError(f"token_type_ids must be a torch.long tensor of input_ids' shape "
+                             f"{tuple(input_ids.shape)}, got {got}")
+        types = self.config.type_vocab_size
+        if token_type_ids.numel() and not 0 <= int(token_type_ids.min()) <= int(token_type_ids.max()) < types:
+            raise ValueError(f"token_type_ids must lie in [0, {types}), got values from {int(token_type_ids.min())} "
+                             f"to {int(token_type_ids.max())}")
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
         """input_ids (B, T) -> last hidden state (B, T, C).
@@ -135,24 +150,27 @@ class MiniLM(nn.Module):
         key_mask = self._check(input_ids, attention_mask)  # (B, T), True = real token
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
+        self._check_token_types(input_ids, token_type_ids)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T) -> (B, T, C)
         for layer in self.layers:
             x = layer(x, key_mask)
         return x
 
-    def tokenize(self, texts: str | Sequence[str], *, truncate: bool = False) -> dict[str, Tensor]:
+    def tokenize(self, texts: str | Sequence[str], *, truncate: bool = False,
+                 limit: int | None = None) -> dict[str, Tensor]:
         """``input_ids`` and ``attention_mask`` (B, T), padded to the longest text.
 
-        A text that yields no word piece is an error; one longer than the
-        model's positions is an error unless ``truncate``, which cuts it with
-        a warning.
+        A text that yields no word piece is an error; one longer than
+        ``limit`` tokens (default: the model's positions) is an error unless
+        ``truncate``, which cuts it with a warning.
         """
         if self.tokenizer is None:
             raise ValueError("this MiniLM has no tokenizer; build it with load_minilm()")
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
             raise ValueError("tokenize() needs at least one text")
-        limit = self.config.max_position_embeddings
+        what = "MiniLM's {} positions" if limit is None else "{} tokens (max_seq_length, as sentence-transformers)"
+        limit = self.config.max_position_embeddings if limit is None else limit
         if truncate:
             self.tokenizer.enable_truncation(max_length=limit)
         else:
@@ -162,10 +180,10 @@ class MiniLM(nn.Module):
             if sum(1 for special in encoding.special_tokens_mask if not special) == 0:
                 raise ValueError(f"text {text!r} tokenizes to nothing: it has no word pieces")
             if len(encoding.ids) > limit:
-                raise ValueError(f"text has {len(encoding.ids)} tokens but MiniLM takes at most {limit} "
-                                 "positions; shorten it, or pass truncate=True (--truncate) to cut it")
+                raise ValueError(f"text has {len(encoding.ids)} tokens but this takes at most "
+                                 f"{what.format(limit)}; shorten it, or pass truncate=True (--truncate) to cut it")
             if encoding.overflowing:
-                warnings.warn(f"text truncated to MiniLM's {limit} positions", stacklevel=2)
+                warnings.warn(f"text truncated to {what.format(limit)}", stacklevel=2)
         width = max(len(e.ids) for e in encodings)
         ids = torch.full((len(texts), width), self.config.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(texts), width, dtype=torch.long)
@@ -182,9 +200,18 @@ class MiniLM(nn.Module):
 
     @torch.no_grad()
     def embed(self, texts: str | Sequence[str], *, truncate: bool = False) -> Tensor:
-        """Sentence embeddings (B, C): the mean of real tokens' states, scaled to unit length."""
-        batch = self.tokenize(texts, truncate=truncate)
-        hidden = self(batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, T, C)
+        """Sentence embeddings (B, C): the mean of real tokens' states, scaled to unit length.
+
+        As sentence-transformers computes them: up to ``max_seq_length`` tokens
+        (a longer text is an error unless ``truncate`` cuts it there), dropout
+        off whatever the model's mode (the mode is restored after).
+        """
+        batch = self.tokenize(texts, truncate=truncate, limit=self.max_seq_length)
+        training = self.training
+        try:
+            hidden = self.eval()(batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, T, C)
+        finally:
+            self.train(training)
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T) -> (B, T, 1)
         mean = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1e-9)  # (B, T, C) -> (B, C)
         return F.normalize(mean, p=2, dim=-1)
@@ -227,6 +254,17 @@ def default_path() -> Path:
     return Path(package.get_model_path())
 
 
+def _max_seq_length(folder: Path) -> int | None:
+    """sentence-transformers' ``max_seq_length`` from the folder's sentence_bert_config.json, if it has one."""
+    path = folder / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("max_seq_length")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{path}: max_seq_length must be a positive int, got {value!r}")
+    return value
+
+
 def load_minilm(path: str | Path | None = None) -> MiniLM:
     """all-MiniLM-L6-v2 on attnkit layers, in eval mode, with its tokenizer.
 
@@ -243,7 +281,7 @@ def load_minilm(path: str | Path | None = None) -> MiniLM:
     config = BertConfig.from_json(folder / "config.json")
     tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokenizer.no_padding()  # the file pads every text to 128; tokenize() pads to the longest instead
-    model = MiniLM(config, tokenizer)
+    model = MiniLM(config, tokenizer, max_seq_length=_max_seq_length(folder))
     weights = convert_bert_weights(safetensors_torch.load_file(str(folder / "model.safetensors")), config)
     model.load_state_dict(weights, strict=True)
     return model.eval()

@@ -251,7 +251,7 @@ def quantize(model: nn.Module, weights: str, *, grids: Grids | None = None) -> n
     if grids and weights != "int4":
         raise ValueError(f"grids are 4-bit weights: they go with weights='int4', not {weights!r}")
     if weights == "float32" and weight_form(model) == "float32":
-        return model  # nothing to swap, whatever the model's dtype (a bfloat16 model stays as it is)
+        return model.eval()  # nothing to swap, whatever the model's dtype (a bfloat16 model stays as it is)
     _check(model, weights, grids or {})
     make: Callable[[nn.Linear, str], Made] = {
         "float16": lambda linear, _: _float16(linear),
