@@ -38,7 +38,10 @@ class AttentionRecord:
 
     ``keys`` and ``values`` are repeated to the H query heads (grouped-query
     layers store fewer). ``scores`` are what softmax received: scaled, with
-    -inf where a key was blocked. ``weights`` are taken before dropout;
+    -inf where a key was blocked; a layer with sinks (gpt-oss) adds a sink
+    logit per head to every softmax denominator, which the scores leave out,
+    so its rows of ``weights`` sum to less than 1. A query that sees no key
+    (left padding) has weights and context 0. ``weights`` are taken before dropout;
     ``context`` is (dropped-out) weights @ values, before heads are merged;
     ``output`` is the layer's output. All are detached copies.
     """

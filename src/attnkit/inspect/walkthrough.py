@@ -192,12 +192,14 @@ def record_steps(record: AttentionRecord, head: int, batch_index: int = 0) -> li
                                                                   "weights", "context")}
     qk = ("query", "key")
     return [
-        Step("qkv", STEPS["qkv"], f"Head {head}'s slice of the fused projection of {record.name}: what each "
-             "token looks for, offers and passes on.",
+        Step("qkv", STEPS["qkv"], f"Head {head}'s queries, keys and values as {record.name}'s attention received "
+             "them (after rotary embeddings and QK-norm where the layer has them): what each token looks for, "
+             "offers and passes on.",
              {n: pick[n] for n in ("queries", "keys", "values")},
              {"queries": ("token", "hd"), "keys": ("token", "hd"), "values": ("token", "hd")}),
-        Step("scaled", STEPS["scaled"], f"Query-key dot products divided by sqrt(head_dim)={d**0.5:.4g}; "
-             "-inf where a key is blocked (padding, or a later token in a causal layer).",
+        Step("scaled", STEPS["scaled"], f"Query-key dot products as the layer scaled them (by default divided "
+             f"by sqrt(head_dim)={d**0.5:.4g}) and modified them (soft-capping, ALiBi) if it does; -inf where a "
+             "key is blocked (padding, or a later token in a causal layer).",
              {"scaled": pick["scores"]}, {"scaled": qk}),
         Step("softmax", STEPS["softmax"], "Softmax of each row: how much each token takes from each other.",
              {"weights": pick["weights"]}, {"weights": qk}),
