@@ -105,7 +105,7 @@ def test_text_that_tokenizes_to_nothing(minilm, text):
 
 def test_text_longer_than_512_positions(minilm):
     long = "word " * 600
-    with pytest.raises(ValueError, match=r"text has 602 tokens but this takes at most MiniLM's 512 positions; "
+    with pytest.raises(ValueError, match=r"text has 602 tokens but MiniLM takes at most 512 positions; "
                                          r"shorten it, or pass truncate=True"):
         minilm.tokenize(long)
     with pytest.warns(UserWarning, match=r"truncated to MiniLM's 512 positions"):
@@ -119,7 +119,7 @@ def test_embed_takes_sentence_transformers_max_seq_length_and_turns_dropout_off(
     302-token text's vector was 0.963 from the reference), and in training mode it embedded with dropout on."""
     assert minilm.max_seq_length == 256  # from the package's sentence_bert_config.json
     long = "word " * 300
-    with pytest.raises(ValueError, match=r"at most 256 tokens \(max_seq_length"):
+    with pytest.raises(ValueError, match=r"embed\(\) takes at most 256 tokens \(max_seq_length"):
         minilm.embed(long)
     with pytest.warns(UserWarning, match=r"truncated to 256 tokens"):
         cut = minilm.embed(long, truncate=True)

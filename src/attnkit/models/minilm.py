@@ -169,7 +169,8 @@ class MiniLM(nn.Module):
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
             raise ValueError("tokenize() needs at least one text")
-        what = "MiniLM's {} positions" if limit is None else "{} tokens (max_seq_length, as sentence-transformers)"
+        takes, cut_to = (("MiniLM takes at most {} positions", "MiniLM's {} positions") if limit is None else
+                         ("embed() takes at most {} tokens (max_seq_length, as sentence-transformers)", "{} tokens"))
         limit = self.config.max_position_embeddings if limit is None else limit
         if truncate:
             self.tokenizer.enable_truncation(max_length=limit)
@@ -180,10 +181,10 @@ class MiniLM(nn.Module):
             if sum(1 for special in encoding.special_tokens_mask if not special) == 0:
                 raise ValueError(f"text {text!r} tokenizes to nothing: it has no word pieces")
             if len(encoding.ids) > limit:
-                raise ValueError(f"text has {len(encoding.ids)} tokens but this takes at most "
-                                 f"{what.format(limit)}; shorten it, or pass truncate=True (--truncate) to cut it")
+                raise ValueError(f"text has {len(encoding.ids)} tokens but {takes.format(limit)}; shorten it, or "
+                                 "pass truncate=True (--truncate) to cut it")
             if encoding.overflowing:
-                warnings.warn(f"text truncated to {what.format(limit)}", stacklevel=2)
+                warnings.warn(f"text truncated to {cut_to.format(limit)}", stacklevel=2)
         width = max(len(e.ids) for e in encodings)
         ids = torch.full((len(texts), width), self.config.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(texts), width, dtype=torch.long)
