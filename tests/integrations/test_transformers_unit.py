@@ -149,6 +149,8 @@ def test_register_with_old_transformers_names_the_version(monkeypatch: pytest.Mo
     ({"backend": "fast"}, r"unknown attnkit backend 'fast'"),
     ({"name": "sdpa"}, r"new implementation name, got 'sdpa'"),
     ({"name": ""}, r"got ''"),
+    ({"name": "attnkit_flash"}, r"name 'attnkit_flash' contains 'flash', which transformers reads by substring"),
+    ({"name": "ak-sdpa", "backend": "sdpa"}, r"contains 'sdpa'.*choose a name without"),
 ])
 def test_register_rejects_bad_options(kwargs: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):

@@ -252,6 +252,9 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return out, weights
 
 
+_MISREAD_PARTS = ("flash", "sdpa", "flex_attention", "|")  # transformers matches these inside a name
+
+
 def register(*, name: str = NAME, backend: str = "auto") -> str:
     """Register attnkit with transformers as ``attn_implementation=name``; returns the name.
 
@@ -262,11 +265,18 @@ def register(*, name: str = NAME, backend: str = "auto") -> str:
     Raises:
         ImportError: transformers is missing or older than MIN_TRANSFORMERS.
         ValueError: ``backend`` is not an attnkit backend, or ``name`` is
-            empty or one of transformers' own implementations.
+            empty, one of transformers' own implementations, or holds a part
+            transformers reads by substring ("flash", "sdpa", "flex_attention",
+            "|": such a name is taken for a hub kernel or for SDPA).
     """
     if not isinstance(name, str) or not name or name in _BUILTIN:
         raise ValueError(f"name must be a new implementation name, got {name!r} "
                          f"(transformers' own are {sorted(_BUILTIN)})")
+    misread = [part for part in _MISREAD_PARTS if part in name]
+    if misread:
+        raise ValueError(f"name {name!r} contains {misread[0]!r}, which transformers reads by substring (it would "
+                         f"take the name for a hub kernel or for SDPA): choose a name without "
+                         f"{', '.join(repr(p) for p in _MISREAD_PARTS)}")
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown attnkit backend {backend!r}; expected 'auto' or one of {sorted(BACKENDS)}")
     attention_interface, mask_interface, sdpa_mask = _import_transformers()
