@@ -35,7 +35,8 @@ LAYER_CASES = [(layout, causal, dtype) for layout in LAYOUTS for causal in (Fals
                for dtype in ("float32", "float64")]
 ERROR_CASES = ["heads", "dtype", "layout", "causal", "length", "bad-key-mask", "odd-zigzag", "shard-length",
                "grads-on-one-rank", "unshard-lengths", "layer-dropout-on-one-rank", "layer-odd-shard-on-one-rank",
-               "layer-kv-cache", "shard-dim", "not-a-strategy", "scale", "bad-scale", "layer-positions-on-one-rank",
+               "layer-kv-cache", "layer-x-on-one-rank", "layer-width-on-one-rank", "shard-dim", "not-a-strategy",
+               "scale", "bad-scale", "layer-positions-on-one-rank",
                "score-mod-on-one-rank", "mask-mods-differ", "sinks-on-one-rank", "bad-sinks",
                "sinks-grad-on-one-rank", "doc-ids-of-the-shard", "mask-mod-not-bool", "score-mod-wrong-shape"]
 OTHER_CASES = ["exact-scale", "ring-timing"]
@@ -73,6 +74,15 @@ def _other_error(kind: str, rank: int) -> tuple[Callable[[], object], str] | Non
         with pytest.raises(TypeError, match=r"forward\(parallel=\.\.\.\) was removed: .*backend=ContextParallel"):
             layer(x, parallel=parallel)
         return lambda: shard([1, 2], 0), r"shard takes a torch.Tensor, got list"
+    if kind == "layer-x-on-one-rank":  # the layer's own check failed on rank 1 alone: rank 0 waited in the ring
+        layer.eval()
+        return (lambda: layer(x.double() if odd else x),
+                r"context-parallel attention: invalid arguments on rank 1: x is torch.float64 on cpu but the layer "
+                r"computes in torch.float32")
+    if kind == "layer-width-on-one-rank":
+        layer.eval()
+        return (lambda: layer(torch.randn(1, 4, 15) if odd else x),
+                r"invalid arguments on rank 1: x must be a \(B, T, d_in=16\) tensor with T >= 1, got \(1, 4, 15\)")
     if kind == "layer-kv-cache":
         layer.eval()
         return (lambda: layer(x, kv_cache=attnkit.KVCache() if odd else None),

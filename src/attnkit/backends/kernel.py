@@ -43,6 +43,10 @@ class KernelRequest:
     receives none of them except through the keys (a cache's) and positions
     (rotary embedding), so a kernel refuses in :meth:`Kernel.prepare` what it
     cannot honour; likewise a ``window`` or a ``dropout_p`` above 0.
+    ``problem``: why the layer's own checks refused this call (a bad ``x``
+    or modifier), else None: a kernel whose ranks wait on each other must
+    make every rank raise it, not leave the others waiting; the layer raises
+    it after :meth:`Kernel.prepare` in any case.
     """
 
     batch: int  # B
@@ -52,6 +56,7 @@ class KernelRequest:
     window: int | None
     dropout_p: float  # in effect for this call: the layer's dropout in training mode, else 0
     given: tuple[str, ...]
+    problem: str | None = None
 
 
 @runtime_checkable

@@ -68,7 +68,7 @@ class ContextParallel:
 
     def prepare(self, request: KernelRequest) -> Tensor:
         """Check the layer's call on every rank (one small all-gather); this rank's global positions (B, n)."""
-        self.check(_unsupported(request), request.length)
+        self.check(request.problem or _unsupported(request), request.length)
         return self.positions(request.length, request.device).expand(request.batch, -1)  # (n,) -> (B, n)
 
     def check(self, problem: str | None, local_len: int) -> None:
@@ -107,7 +107,8 @@ class ContextParallel:
 
 def _unsupported(request: KernelRequest) -> str | None:
     """What this rank's layer call sets that the ring cannot compute, or None."""
-    given = [*request.given, *([f"window={request.window}"] if request.window is not None else [])]
+    given = [*request.given, *([f"window={request.window} (pass mask_mod=sliding_window({request.window}) "
+                                f"instead)"] if request.window is not None else [])]
     if given:
         return ("a context-parallel call takes no positions, kv_cache, attn_mask, need_weights or window "
                 "(the layout places the tokens); got " + ", ".join(given))

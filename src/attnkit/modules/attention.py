@@ -256,14 +256,21 @@ class MultiHeadAttention(AttentionHeads):
             raise TypeError("forward(parallel=...) was removed: context parallelism is a kernel component, given "
                             "once as the layer's backend: MultiHeadAttention(..., backend=ContextParallel(...)) "
                             "or layer.backend = ContextParallel(...)")
-        self.check_x(x)
-        check_modifier(mask_mod, "mask_mod", MASK_ARGS)
-        mods = self._modifiers(mask_mod)
-        b, t, _ = x.shape
-        if not isinstance(self.backend, str):  # the kernel checks the call (on every rank) and may place its tokens
+        if isinstance(self.backend, str):
+            mods = self._checked(x, mask_mod)
+        else:  # the kernel checks the call (on every rank) and may place its tokens
+            mods, failure = None, None
+            try:
+                mods = self._checked(x, mask_mod)
+            except (TypeError, ValueError) as err:  # told to the kernel: a ring's other ranks would wait on this one
+                failure = err
             check_kernel(self.backend, modifiers=mods is not None)  # also when set after construction
-            placed = self.backend.prepare(self._request(x, positions, attn_mask, kv_cache, need_weights))
+            request = self._request(x, positions, attn_mask, kv_cache, need_weights, failure)
+            placed = self.backend.prepare(request)
+            if failure is not None:
+                raise failure
             positions = positions if placed is None else placed
+        b, t, _ = x.shape
         if positions is not None:
             positions = check_positions(positions, b, t)
         q, k, v = self.project(x)
@@ -287,14 +294,24 @@ class MultiHeadAttention(AttentionHeads):
         mods = Modifiers(self.score_mod, self.mask_mod if mask_mod is None else mask_mod, self.sinks)
         return None if mods.empty else mods
 
+    def _checked(self, x: object, mask_mod: MaskMod | None) -> Modifiers | None:
+        """Check ``x`` and the call's ``mask_mod``; the call's modifiers (None: none)."""
+        self.check_x(x)
+        check_modifier(mask_mod, "mask_mod", MASK_ARGS)
+        return self._modifiers(mask_mod)
+
     def _request(self, x: Tensor, positions: object, attn_mask: object, kv_cache: object,
-                 need_weights: object) -> KernelRequest:
-        """This call, described to a kernel component before anything is computed."""
+                 need_weights: object, failure: Exception | None = None) -> KernelRequest:
+        """This call, described to a kernel component before anything is computed (``failure``: why the
+        layer's own checks refused it; then ``x`` may be anything)."""
         given = {"positions": positions is not None, "kv_cache": kv_cache is not None,
                  "attn_mask": attn_mask is not None, "need_weights": need_weights is not False}
-        return KernelRequest(batch=x.shape[0], length=x.shape[1], device=x.device, causal=self.causal,
-                             window=self.window, dropout_p=self.dropout if self.training else 0.0,
-                             given=tuple(name for name, was_given in given.items() if was_given))
+        sized = isinstance(x, Tensor) and x.dim() == 3
+        return KernelRequest(batch=x.shape[0] if sized else 0, length=x.shape[1] if sized else 0,
+                             device=x.device if isinstance(x, Tensor) else self.activation.device,
+                             causal=self.causal, window=self.window, dropout_p=self.dropout if self.training else 0.0,
+                             given=tuple(name for name, was_given in given.items() if was_given),
+                             problem=None if failure is None else str(failure))
 
     def _rotate(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
         """q (B, H, T, D) and k (B, G, T, D) rotated at offset .. offset + T - 1, or at positions (B, T)."""
