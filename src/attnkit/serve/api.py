@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API over an :class:`~attnkit.serve.engine.Engine` (extra ``serve``: FastAPI, uvicorn).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus text) and
-``GET /`` (the chat page). Requests are checked here, field by field
-(:mod:`attnkit.serve.checks`), and refused with OpenAI's error shape
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus text),
+``GET /`` (the chat page) and ``GET /favicon.ico`` (204: there is none). Requests
+are checked here, field by field (:mod:`attnkit.serve.checks`), and refused with OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}`` (an unknown route or method
 too); the engine thread only ever sees valid requests. Streaming is server-sent
 events as OpenAI sends them: ``data: {chunk}`` lines with one id and one
@@ -20,6 +20,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from html import escape
 from importlib import resources
 from typing import Any
 
@@ -272,7 +273,7 @@ def create_app(server: Server) -> Any:
 
     @app.middleware("http")
     async def authorize(request: Request, call_next: Any) -> Any:
-        open_paths = ("/health", "/")
+        open_paths = ("/health", "/", "/favicon.ico")
         if server.api_key is not None and request.url.path not in open_paths:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given, f"Bearer {server.api_key}"):
@@ -366,7 +367,13 @@ def create_app(server: Server) -> Any:
 
     @app.get("/")
     async def page() -> Any:
+        """The chat page; the model's name goes in HTML-escaped (its script reads it from ``<body data-model>``)."""
         html = resources.files("attnkit.serve").joinpath("chat.html").read_text(encoding="utf-8")
-        return responses.HTMLResponse(html.replace("__MODEL__", server.model_name))
+        return responses.HTMLResponse(html.replace("__MODEL__", escape(server.model_name, quote=True)))
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Any:
+        """No icon, said without an error: browsers ask for one on every load."""
+        return responses.Response(status_code=204)
 
     return app
