@@ -38,3 +38,9 @@ def need(module: str):
     if os.environ.get("CI") == "true":
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's, which scripts/browser.sh installs
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+                  "--disable-default-apps", "--disable-extensions"]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,3 +31,20 @@ def uncached_compile(fresh_dynamo: None) -> Iterator[None]:
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    """A headless Chromium (Playwright) shared by the browser tests: skipped without one, failed under CI=true
+    (where scripts/browser.sh installs it)."""
+    from tests._util import CHROMIUM, CHROMIUM_FLAGS, need
+
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{CHROMIUM} is missing; scripts/browser.sh installs it")
+        pytest.skip(f"no {CHROMIUM}")
+    sync_api = need("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()

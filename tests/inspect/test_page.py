@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from attnkit.inspect.html import render_page, write_html
-
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-         "--disable-default-apps", "--disable-extensions"]
 
 
 def _layers(seed: int = 0):
@@ -48,21 +41,6 @@ def test_page_refuses_mismatched_or_huge_input():
         render_page(["a"] * 600, [("x", torch.rand(12, 600, 600))])
     with pytest.raises(ValueError, match=r"at least one token and one layer"):
         render_page([], [])
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{CHROMIUM} is missing; scripts/browser.sh installs it")
-        pytest.skip(f"no {CHROMIUM}")
-    from tests._util import need
-
-    sync_api = need("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.mark.browser

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,29 +13,17 @@ from attnkit.bench.serve import ServerProcess
 from tests._util import need
 from tests.models._decoder import need_smollm2
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-         "--disable-default-apps", "--disable-extensions"]
-
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ServerProcess]]:
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{CHROMIUM} is missing; scripts/browser.sh installs it")
-        pytest.skip(f"no {CHROMIUM}")
+def page(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ServerProcess]]:
     need_smollm2()
     need("fastapi")
-    sync_api = need("playwright.sync_api")
     server = ServerProcess.attnkit("--kv-memory", "64", log=tmp_path_factory.mktemp("page") / "server.log")
     try:
-        with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-            tab = browser.new_page()
-            tab.goto(server.url + "/")
-            yield tab, server
-            browser.close()
+        tab = browser.new_page()
+        tab.goto(server.url + "/")
+        yield tab, server
+        tab.close()
     finally:
         server.stop()
 

@@ -10,19 +10,16 @@ without a finish_reason or [DONE]; anything else is answered at once with ``Answ
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import types
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests._util import need
-from tests.serve.test_page import CHROMIUM, FLAGS
 
 need("fastapi")
 testclient = need("fastapi.testclient")
@@ -137,19 +134,6 @@ def stub() -> Iterator[Stub]:
     server.shutdown()
     server.server_close()
     thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{CHROMIUM} is missing; scripts/browser.sh installs it")
-        pytest.skip(f"no {CHROMIUM}")
-    sync_api = need("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture
