@@ -33,10 +33,11 @@ def uncached_compile(fresh_dynamo: None) -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """A headless Chromium (Playwright) shared by the browser tests: skipped without one, failed under CI=true
-    (where scripts/browser.sh installs it)."""
+    """A headless Chromium (Playwright) for one test module's browser tests: skipped without one, failed under
+    CI=true (where scripts/browser.sh installs it). Not session-wide: Playwright's sync API holds an asyncio
+    loop and a SIGINT handler while it runs, which later tests' asyncio.run() and Ctrl-C tests trip over."""
     from tests._util import CHROMIUM, CHROMIUM_FLAGS, need
 
     if not Path(CHROMIUM).exists():
