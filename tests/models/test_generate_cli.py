@@ -38,6 +38,8 @@ def test_generate_streams_the_greedy_continuation_and_reports_speed(tiny: str,
     out, err = capsys.readouterr()
     assert out == _expected(tiny, "the sin", 6) + "\n"
     assert "tokens/s" in err and "prompt:" in err
+    (speed,) = [line for line in err.splitlines() if line.startswith("prompt:")]
+    assert speed.rstrip().endswith("tokens/s") and "generation:" in speed  # one line, not wrapped at 80 columns
 
 
 def test_generate_with_a_bfloat16_cache_says_so_and_decodes_over_it(tiny: str,
