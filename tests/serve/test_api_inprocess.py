@@ -16,22 +16,12 @@ import pytest
 
 from attnkit.serve import Engine, SamplingParams
 from tests._util import need
-from tests.serve.test_engine import _engine, _model
+from tests.serve.test_engine import Words, _engine, _model
 
 need("fastapi")
 testclient = need("fastapi.testclient")
 
 from attnkit.serve.api import APIError, Parsed, Server, create_app  # noqa: E402
-
-
-class Words:
-    """A tokenizer of one id per word (the tiny model's vocabulary is 50)."""
-
-    def encode(self, text: str) -> list[int]:
-        return [len(w) % 50 for w in text.split()] or [1]
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(" ".join(m["content"] for m in messages))
 
 
 def _server(engine: Engine) -> Server:

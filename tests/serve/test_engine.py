@@ -276,19 +276,22 @@ def test_a_dead_engine_fails_requests_fast_and_health_says_so() -> None:
         engine.submit([1, 2], SamplingParams(max_tokens=2), lambda e: None)
 
 
+class Words:
+    """A tokenizer of one id per word (the tiny model's vocabulary is 50), for the HTTP layer's tests."""
+
+    def encode(self, text: str) -> list[int]:
+        return [len(w) % 50 for w in text.split()] or [1]
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(" ".join(m["content"] for m in messages))
+
+
 def test_health_and_requests_report_a_dead_engine_over_http() -> None:
     from tests._util import need
 
     need("fastapi")
     testclient = need("fastapi.testclient")
     from attnkit.serve.api import Server, create_app
-
-    class Words:
-        def encode(self, text: str) -> list[int]:
-            return [len(w) % 50 for w in text.split()] or [1]
-
-        def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-            return self.encode(" ".join(m["content"] for m in messages))
 
     model = _model()
     engine = _engine(model)

@@ -226,9 +226,9 @@ def served_form() -> str:
     """The weight form ``attnkit serve`` loads SmolLM2 in by default (weights="auto": the fastest of the forms
     measured accurate on it that this CPU runs)."""
     from attnkit.models.llama import LlamaModel
-    from attnkit.modules.quantize import default_form
+    from attnkit.modules.quantize import resolve_form
 
-    return default_form(LlamaModel.accurate_forms)
+    return resolve_form("auto", LlamaModel.accurate_forms)  # as the loader resolves weights="auto"
 
 
 def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | None = None,

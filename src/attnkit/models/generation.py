@@ -196,10 +196,10 @@ def _prefill(model: CausalLM, ids: Tensor, positions: Tensor | None, caches: Seq
         if not isinstance(held, KVCache) or held.keys is None or held.values is None:
             raise TypeError(f"compile=True copies the prompt from the model's growing caches into its static ones: "
                             f"new_caches() must give KVCache, got {type(held).__name__}")
-        static.update(held.keys, held.values, at)  # (B, G, T, D) into slots at (B, T)
         if isinstance(static, StaticKVCache):
-            static.take_owner(held)
-            static.mark_capacity_dynamic()
+            static.continue_from(held, at)
+        else:
+            static.update(held.keys, held.values, at)  # (B, G, T, D) into slots at (B, T)
     return logits
 
 

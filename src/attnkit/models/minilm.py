@@ -137,9 +137,9 @@ class MiniLM(nn.Module):
             raise ValueError(f"token_type_ids must be a torch.long tensor of input_ids' shape "
                              f"{tuple(input_ids.shape)}, got {got}")
         types = self.config.type_vocab_size
-        if token_type_ids.numel() and not 0 <= int(token_type_ids.min()) <= int(token_type_ids.max()) < types:
-            raise ValueError(f"token_type_ids must lie in [0, {types}), got values from {int(token_type_ids.min())} "
-                             f"to {int(token_type_ids.max())}")
+        low, high = (int(bound) for bound in token_type_ids.aminmax()) if token_type_ids.numel() else (0, 0)
+        if not 0 <= low <= high < types:
+            raise ValueError(f"token_type_ids must lie in [0, {types}), got values from {low} to {high}")
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
@@ -150,7 +150,8 @@ class MiniLM(nn.Module):
         key_mask = self._check(input_ids, attention_mask)  # (B, T), True = real token
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        self._check_token_types(input_ids, token_type_ids)
+        else:
+            self._check_token_types(input_ids, token_type_ids)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T) -> (B, T, C)
         for layer in self.layers:
             x = layer(x, key_mask)

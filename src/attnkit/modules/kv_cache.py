@@ -184,11 +184,6 @@ class _Ownership:
         before, self._owner = self._owner, id(owner)
         return before
 
-    def take_owner(self, other: _Ownership) -> None:
-        """Belong to the layer ``other`` belongs to (a static cache filled from that layer's growing one, so the
-        compiled step finds it claimed from its first call: a first claim in the graph compiled it twice)."""
-        self._owner = other._owner
-
 
 def _refuse_repeats(last: Tensor, positions: Tensor) -> None:
     """New positions must come after ``last`` (B,), the highest position each row holds (-1: none)."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kv_cache import CachedKeys, _Ownership, _refuse_repeats, check_narrowing, check_storage_dtype
+from .kv_cache import CachedKeys, KVCache, _Ownership, _refuse_repeats, check_narrowing, check_storage_dtype
 
 
 class StaticKVCache(_Ownership):
@@ -68,6 +68,17 @@ class StaticKVCache(_Ownership):
             return 0
         last = self.positions.amax(dim=1, keepdim=True)  # (B, 1), -1 when empty
         return last + 1 + torch.arange(length, device=last.device)  # (B, T)
+
+    def continue_from(self, held: KVCache, positions: Tensor) -> None:
+        """Take what the growing cache ``held`` holds, at ``positions`` (B, T), and the layer it belongs to, and
+        mark the capacity dynamic: what a compiled decoding step continues from after an eager prefill (its first
+        call finds the cache claimed, where a first claim in the graph compiled it twice, and one graph serves
+        every capacity)."""
+        if held.keys is None or held.values is None:
+            raise ValueError("continue_from() takes a KVCache that holds keys; this one is empty")
+        self.update(held.keys, held.values, positions)  # (B, G, T, D) into slots at (B, T)
+        self._owner = held._owner
+        self.mark_capacity_dynamic()
 
     def mark_capacity_dynamic(self) -> None:
         """Tell ``torch.compile`` the capacity may change from call to call: one graph then serves caches of

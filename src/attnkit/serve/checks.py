@@ -34,8 +34,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def bad(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param=param)
+def bad(param: str, message: str, code: str | None = None) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code=code)
 
 
 def no_such_model(name: str, served: str) -> APIError:
@@ -45,7 +45,7 @@ def no_such_model(name: str, served: str) -> APIError:
 
 def too_long(param: str, message: str) -> APIError:
     """A prompt that leaves no room for an answer: OpenAI's code, which clients branch on to shorten it."""
-    return APIError(400, f"{param}: {message}", param=param, code="context_length_exceeded")
+    return bad(param, message, code="context_length_exceeded")
 
 
 def integer(body: Mapping[str, Any], name: str, low: int, high: int | None = None) -> int | None:
