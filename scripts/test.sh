@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs lint, type checks and the whole test suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k rope`.
+# Sets everything up, then runs lint, type checks and the whole test suite; then the weight-form, model and
+# serving tests a second time with PyTorch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2: what an AVX2 CPU runs,
+# on any x86 machine; tests/conftest.py sets fbgemm's and oneDNN's variables to match).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k rope` (then the AVX2 pass is skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
@@ -8,3 +10,10 @@ bash scripts/browser.sh
 .venv/bin/ruff check src tests
 .venv/bin/mypy
 .venv/bin/python -m pytest "$@"
+if [ "$#" -eq 0 ] && [ "$(uname -m)" = x86_64 ]; then
+  echo "The weight-form, model and serving tests again, with PyTorch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2):"
+  ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest -m "not browser and not slow" \
+    tests/modules/test_quantize.py tests/modules/test_quantize_refusals.py tests/modules/test_kv_dtype.py \
+    tests/models/test_generation.py tests/models/test_llama.py tests/models/test_gemma3.py \
+    tests/models/test_llama_reference.py tests/serve tests/test_cpu.py
+fi

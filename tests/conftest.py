@@ -9,6 +9,20 @@ from typing import Any
 
 import pytest
 
+# ATEN_CPU_CAPABILITY=avx2 runs PyTorch's AVX2 kernels (and attnkit's choices for an AVX2 CPU, attnkit._cpu) on
+# any x86 machine; fbgemm and oneDNN read their own variables, set here before either is first used, so the
+# suite runs every kernel as an AVX2 CPU would (scripts/test.sh's second pass). Inductor's on-disk cache does not
+# tell the two apart (a graph compiled for AVX512 and loaded under AVX2 decoded other tokens than eager AVX2
+# kernels): this pass keeps its own.
+if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
+    import getpass
+    import tempfile
+
+    os.environ.setdefault("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2")
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) /
+                                                         f"torchinductor_{getpass.getuser()}_avx2"))
+
 
 @pytest.fixture
 def fresh_dynamo() -> Iterator[None]:

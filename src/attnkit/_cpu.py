@@ -9,6 +9,16 @@ reports the vector ISA PyTorch dispatches to ("DEFAULT", "AVX2", "AVX512",
 ``torch.cpu``'s feature checks.
 
     warn_if_slow_dtype(torch.bfloat16, "cpu")   # SlowDtypeWarning on an AVX2 CPU
+
+Every check here starts from the capability PyTorch dispatches to, so
+``ATEN_CPU_CAPABILITY=avx2`` (which makes PyTorch run its AVX2 kernels on an
+AVX512 CPU) makes attnkit choose as it would on an AVX2 CPU too. Two libraries
+inside PyTorch read their own variables: ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``
+(fbgemm: the float16 weight form) and ``ONEDNN_MAX_CPU_ISA=AVX2`` (oneDNN:
+bfloat16 products). With all three an AVX512 machine runs the kernels an AVX2 one
+runs (``scripts/test.sh`` runs the weight-form,
+model and serving tests a second time so, and the test suite sets the other
+two when only ``ATEN_CPU_CAPABILITY=avx2`` is given).
 """
 
 from __future__ import annotations
@@ -38,18 +48,33 @@ def _cpu_feature(name: str) -> bool:
 
 
 def has_fast_bfloat16() -> bool:
-    """False on an x86 CPU without AVX512-BF16 or AMX (bfloat16 emulated); True otherwise.
+    """False on an x86 CPU without AVX512-BF16 or AMX (bfloat16 emulated), or where PyTorch dispatches to less
+    than AVX512 (``ATEN_CPU_CAPABILITY=avx2``); True otherwise.
 
     On other architectures the speed is not known here, and no claim is made (True).
     """
-    if cpu_capability() not in _X86:
+    capability = cpu_capability()
+    if capability not in _X86:
         return True
-    return _cpu_feature("avx512_bf16") or _cpu_feature("amx_tile")
+    return capability == "AVX512" and (_cpu_feature("avx512_bf16") or _cpu_feature("amx_tile"))
 
 
 def has_fast_float16() -> bool:
-    """False on an x86 CPU without AMX-FP16 (float16 emulated); True otherwise, as for bfloat16."""
-    return cpu_capability() not in _X86 or _cpu_feature("amx_fp16")
+    """False on an x86 CPU without AMX-FP16 (float16 emulated) or below AVX512; True otherwise, as for bfloat16."""
+    capability = cpu_capability()
+    return capability not in _X86 or (capability == "AVX512" and _cpu_feature("amx_fp16"))
+
+
+def float16_rows_batch_invariant() -> bool:
+    """Whether fbgemm's float16-weight product computes a row the same, bit for bit, alone or in any batch.
+
+    Measured: its AVX512 kernels do; its AVX2 kernels block rows by the batch's
+    size, so a row's result moves in the last bits (up to 1.5e-5 on a tiny
+    model's logits, tests/modules/test_quantize.py). The float16 weight form
+    and int4's float16 head run on it. False below AVX512 (and where fbgemm is
+    absent: other architectures have no float16 form).
+    """
+    return cpu_capability() == "AVX512"
 
 
 def warn_if_slow_dtype(dtype: torch.dtype, device: torch.device | str, *, stacklevel: int = 1) -> None:

@@ -220,6 +220,7 @@ def test_a_left_padded_row_generates_what_it_generates_alone(tiny: Path) -> None
     assert together[1, -10:].tolist() == alone[0, -10:].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("uncached_compile")
 def test_the_compiled_step_serves_every_cache_size_across_the_window_with_one_graph(tiny: Path) -> None:
     """Local layers (a window of 4) and global ones over static caches whose capacity is symbolic: the same

@@ -369,6 +369,7 @@ def test_a_tiny_temperature_samples_the_greedy_token_and_infinity_is_refused(tin
         tiny32.generate(ids, max_new_tokens=1, temperature=float("inf"))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_the_compiled_decode_step_equals_the_eager_one(tiny64: Any) -> None:
     """generate(compile=True): one fullgraph graph per step over static caches, the same tokens as eager."""
@@ -382,6 +383,7 @@ def test_the_compiled_decode_step_equals_the_eager_one(tiny64: Any) -> None:
         assert torch.equal(compiled, eager), options
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("uncached_compile")
 def test_the_compiled_step_compiles_one_graph_for_every_cache_size(tiny64: Any) -> None:
     """Nine cache sizes (a chat's nine turns), one graph: the first step found its static caches unclaimed and

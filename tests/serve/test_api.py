@@ -108,6 +108,7 @@ def test_streaming_chat_is_openai_shaped(client: Any) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_streams_each_equal_generate_alone(client: Any, server: ServerProcess) -> None:
     def ask(question: str) -> str:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
@@ -226,6 +227,7 @@ def test_malformed_json_oversized_bodies_and_keys(server: ServerProcess) -> None
     assert httpx.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"] == "smollm2"
 
 
+@pytest.mark.slow
 def test_preemption_under_tiny_kv_memory_still_answers_correctly(tmp_path: Path) -> None:
     """6 requests of ~40 tokens each in room for about 3: the newest are preempted and recomputed later."""
     need_smollm2()
@@ -250,6 +252,7 @@ def test_preemption_under_tiny_kv_memory_still_answers_correctly(tmp_path: Path)
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_soak_of_short_requests_with_random_disconnects_leaves_every_block_free(server: ServerProcess) -> None:
     auth = {"Authorization": "Bearer test-key"}
     rng = random.Random(0)

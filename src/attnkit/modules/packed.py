@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit._cpu import has_fast_bfloat16
+from attnkit._cpu import cpu_capability, has_fast_bfloat16
 
 GROUP = 32  # inputs per int4 group: GGUF's Q4_1 block
 
@@ -358,19 +358,21 @@ def reads_int4_tiles(out_features: int) -> bool:
 
 
 def unpack_int4(packed: Tensor, out_features: int, in_features: int) -> Tensor:
-    """The codes (in, out) uint8 in 0..15 of ``torch._convert_weight_to_int4pack_for_cpu``'s AVX512 layout.
+    """The codes (in, out) uint8 in 0..15 of ``torch._convert_weight_to_int4pack_for_cpu``'s tiles.
 
-    The outputs go in blocks of 64; per block and input, 32 bytes whose byte j
-    holds output j (low nibble) and output j + 32 (high). A last block of 16,
-    32 or 48 outputs holds pairs: byte j has outputs 2j and 2j + 1. (Other CPU
-    builds lay them out otherwise: :class:`Int4Linear` relies on it only
+    The outputs go in blocks of 64 (PyTorch's AVX512 kernels) or 32 (its AVX2
+    ones); per block and input, one byte per pair of outputs: byte j holds
+    output j (low nibble) and output j + block / 2 (high). A last block of 16,
+    32 or 48 outputs holds pairs: byte j has outputs 2j and 2j + 1. (Other
+    CPU builds lay them out otherwise: :class:`Int4Linear` relies on it only
     where :func:`reads_int4_tiles`.)
     """
-    full = out_features // 64 * 64
+    block = 64 if cpu_capability() == "AVX512" else 32
+    full = out_features // block * block
     flat = packed.reshape(-1)  # (N * K / 2,) bytes in the kernel's order
-    blocks = flat[: full * in_features // 2].view(full // 64, in_features, 32)  # (N/64, K, 32)
-    blocks = torch.stack([blocks & 15, blocks >> 4], dim=2)  # (N/64, K, 2, 32): outputs j, j + 32
-    blocks = blocks.permute(1, 0, 2, 3).reshape(in_features, full)  # (K, N/64, 2, 32) -> (K, full)
+    blocks = flat[: full * in_features // 2].view(full // block, in_features, block // 2)  # (N/b, K, b/2)
+    blocks = torch.stack([blocks & 15, blocks >> 4], dim=2)  # (N/b, K, 2, b/2): outputs j, j + b/2
+    blocks = blocks.permute(1, 0, 2, 3).reshape(in_features, full)  # (K, N/b, 2, b/2) -> (K, full)
     if full == out_features:
         return blocks
     rest = flat[full * in_features // 2 :].view(in_features, (out_features - full) // 2)  # (K, r/2)
