@@ -23,6 +23,7 @@ two when only ``ATEN_CPU_CAPABILITY=avx2`` is given).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 
@@ -71,10 +72,15 @@ def float16_rows_batch_invariant() -> bool:
     Measured: its AVX512 kernels do; its AVX2 kernels block rows by the batch's
     size, so a row's result moves in the last bits (up to 1.5e-5 on a tiny
     model's logits, tests/modules/test_quantize.py). The float16 weight form
-    and int4's float16 head run on it. False below AVX512 (and where fbgemm is
+    and int4's float16 head run on it. fbgemm picks its kernels by the CPU's
+    own features, or by ``FBGEMM_ENABLE_INSTRUCTIONS`` where that is set (not by
+    ``ATEN_CPU_CAPABILITY``); False where it runs AVX2 (and where fbgemm is
     absent: other architectures have no float16 form).
     """
-    return cpu_capability() == "AVX512"
+    forced = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
+    if forced:
+        return forced.startswith("AVX512")
+    return _cpu_feature("avx512")
 
 
 def warn_if_slow_dtype(dtype: torch.dtype, device: torch.device | str, *, stacklevel: int = 1) -> None:

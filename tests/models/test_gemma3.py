@@ -507,7 +507,7 @@ def test_every_weight_form_loads_and_generates(tiny: Path, form: str) -> None:
     from attnkit.modules.quantize import available_forms
 
     if form not in available_forms():
-        pytest.skip(f"{form} needs a kernel this CPU lacks")
+        pytest.skip(f"{form} needs fbgemm's kernels (x86 CPUs: AVX2 or AVX512), which this PyTorch lacks")
     from attnkit.models import load_gguf
 
     model, reference = load_gguf(tiny, weights=form), load(tiny)

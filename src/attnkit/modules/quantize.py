@@ -79,15 +79,15 @@ def default_form(accurate: Sequence[str] = WEIGHT_FORMS) -> str:
     ``accurate``: the forms measured to meet the accuracy bar on the model at
     hand (a model class's ``accurate_forms``). Fastest first, as measured on
     SmolLM2 (BENCHMARKS.md, round twelve): int4, then float16 where bfloat16
-    arithmetic is native (AVX512-BF16 or AMX), else int8 (with PyTorch's AVX2
-    kernels, int4 decoded at 22.6-22.8 tokens/s, int8 at 20.2-21.6, float32 at
-    17.5-21.9 and float16 at 13.4-14.1), then float32. What each form promises
+    arithmetic is native (AVX512-BF16 or AMX), else int8 and never float16
+    (with PyTorch's AVX2 kernels, int4 decoded at 22.6-22.8 tokens/s, int8 at
+    20.2-21.6, float32 at 17.5-21.9 and float16 at 13.4-14.1), then float32. What each form promises
     per CPU: a row's logits are bit-equal alone and in a batch of its length
     with int8 everywhere, and with float16 or int4 (whose head is float16) only
     where fbgemm runs its AVX512 kernels (``_cpu.float16_rows_batch_invariant``);
     with AVX2 they move in the last bits.
     """
-    order = ("int4", "float16", "int8") if has_fast_bfloat16() else ("int4", "int8", "float16")
+    order = ("int4", "float16", "int8") if has_fast_bfloat16() else ("int4", "int8")
     here = available_forms()
     return next((form for form in order if form in accurate and form in here), "float32")
 
