@@ -244,7 +244,7 @@ def test_every_layer_keeps_the_same_tokens_and_the_first_layer_holds_their_keys(
     Later layers' keys are not a recomputation over the kept tokens: they were computed when their token
     came, over what the cache held then (as in StreamingLLM).
     """
-    from attnkit.models.streaming import sink_caches
+    from attnkit.models.sink_caches import sink_caches
 
     caches = sink_caches(tiny64, sinks=2, window=10, chunk=4)
     block = tiny64.layers[0]
@@ -270,7 +270,7 @@ def test_generate_with_a_sink_cache_equals_the_full_cache_until_it_fills(tiny64:
 
 def test_generate_past_the_context_length_with_a_long_prompt(tiny64: Any):
     """A 100-token prompt (context 64) goes in pieces; 200 new tokens; each token is the greedy choice."""
-    from attnkit.models.streaming import SinkSpec, sink_caches
+    from attnkit.models.sink_caches import SinkSpec, sink_caches
 
     ids = torch.randint(3, tiny64.vocab_size, (1, 100), generator=torch.Generator().manual_seed(1))
     out = tiny64.generate(ids, max_new_tokens=200, stop_ids=[], cache="sink:2,16,8")
@@ -350,7 +350,7 @@ def test_smollm2_perplexity_with_sinks_stays_within_1_5x_of_the_full_cache():
 
     Without the re-rotation the same run measured 96.7 (7.6x).
     """
-    from attnkit.models.streaming import sink_caches
+    from attnkit.models.sink_caches import sink_caches
     from tests.models._decoder import smollm2
 
     model = smollm2()
@@ -392,7 +392,7 @@ def test_half_precision_keys_are_re_rotated_in_float32():
 
 
 def test_a_cache_spec_with_non_ascii_digits_is_refused_by_name():
-    from attnkit.models.streaming import SinkSpec
+    from attnkit.models.sink_caches import SinkSpec
 
     with pytest.raises(ValueError, match=r"cache='sink:²,10'"):
         SinkSpec.parse("sink:²,10")

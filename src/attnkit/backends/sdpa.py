@@ -42,7 +42,7 @@ from .registry import DENSE_BAND_LIMIT, Backend, register
 
 def _mask_and_flag(call: AttentionCall) -> tuple[Tensor | None, bool]:
     """The attn_mask to pass and whether to pass is_causal=True."""
-    t, s = call.num_queries, call.num_keys
+    t, s = call.q.shape[2], call.k.shape[2]
     if call.modified or call.sinks is not None:
         return call.dense_mask(), False
     if call.band_hides_nothing():  # not causal, or one decoding query with no window: no band at all

@@ -165,7 +165,7 @@ def perplexity(model: Any, ids: torch.Tensor, caches: Sequence[Any], piece: int)
 
 def perplexity_rows(model: Any, ids: torch.Tensor, suite: StreamingSuite, say: Callable[[str], None]) -> list[Row]:
     """Teacher-forced perplexity over ids (1, N + 1): the sink cache, and the full cache when asked for."""
-    from attnkit.models.streaming import sink_caches
+    from attnkit.models.sink_caches import sink_caches
 
     runs = {suite.cache: (lambda: sink_caches(model, sinks=suite.sinks, window=suite.window, chunk=suite.chunk),
                           suite.chunk)}

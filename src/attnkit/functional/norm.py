@@ -10,7 +10,6 @@ Legend: B batch, H query heads, G key/value heads, T positions, D head dim, C wi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -34,8 +33,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype in (torch.float32, torch.float64):  # (no conversions: each costs a call per layer and step)
-            return self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)  # (..., C): one fused op
-        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # half precision: normalised in float32
+            return self.weight * torch.rms_norm(x, x.shape[-1:], eps=self.eps)  # (..., C): one fused op
+        h = torch.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # half precision: normalised in float32
         return self.weight * h.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -11,8 +11,6 @@ Legend: B batch, H heads, T positions, D head dim.
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,8 +22,9 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)  # -> (..., D)
 
 
-def _apply(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """x (..., T, D) rotated by angles whose cos and sin are (T, D).
+def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x (..., T, D) rotated by angles whose cos and signed sin are (T, D) (or broadcast to x), as
+    :meth:`RotaryEmbedding.signed_angles` gives them.
 
     ``signed_sin`` is (-sin, sin) by halves, so that rotate_half(x) * sin is
     x.roll(D/2) * signed_sin: one op instead of a chunk, a negation and a cat.
@@ -37,7 +36,8 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding for heads of size ``head_dim`` (even).
 
     There is no length limit and no buffer: angles are computed for the
-    positions each call needs, in float64 (float32 on devices without it)
+    positions each call needs (a model computes a step's once for all its
+    layers: :class:`attnkit.modules.context.StepContext`), in float64 (float32 on devices without it)
     whatever the input dtype, so half-precision layers keep exact positions.
     ``forward(q, k, offset=n)`` rotates q and k (B, H, T, D) as positions
     n .. n + T - 1, as a KV cache holding n positions needs. ``scaling`` > 1 is
@@ -55,11 +55,6 @@ class RotaryEmbedding(nn.Module):
                 math.isfinite(scaling) and scaling > 0):
             raise ValueError(f"RotaryEmbedding scaling must be a finite number > 0, got scaling={scaling!r}")
         self.head_dim, self.base, self.scaling = head_dim, float(base), float(scaling)
-        self._last: tuple[tuple[object, ...], tuple[Tensor, Tensor]] | None = None  # see _angles_at
-        self._rows: tuple[Any, tuple[object, ...], tuple[Tensor, Tensor]] | None = None  # see _angles_of
-
-    def __getstate__(self) -> dict[str, object]:
-        return {**super().__getstate__(), "_last": None, "_rows": None}  # the cache is not part of the module
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin of each position's angles, (T, D), both halves alike."""
@@ -70,50 +65,17 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # (T, D/2) -> (T, D)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def _signed(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and (-sin, sin) by halves, (T, D), for :func:`_apply`."""
+    def signed_angles(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and (-sin, sin) by halves, (T, D), of ``positions`` (T,), for :func:`apply_rotary`."""
         cos, sin = self.cos_sin(positions, dtype)
         half = self.head_dim // 2
         return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # (T, D)
-
-    def _angles_at(self, offset: int, length: int, dtype: torch.dtype, device: torch.device
-                   ) -> tuple[Tensor, Tensor]:
-        """:meth:`_signed` for positions offset .. offset + length - 1, remembering the last call's.
-
-        A model whose layers share one RotaryEmbedding computes the angles of
-        a decoding step once instead of once per layer.
-        """
-        if torch.compiler.is_compiling():  # the graph computes them; no Python-side state
-            return self._signed(torch.arange(offset, offset + length, device=device), dtype)
-        key = (offset, length, dtype, device, torch.is_inference_mode_enabled(), self.head_dim, self.base,
-               self.scaling)
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        angles = self._signed(torch.arange(offset, offset + length, device=device), dtype)
-        self._last = (key, angles)
-        return angles
-
-    def _angles_of(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """:meth:`_signed` at per-row positions (B, T) as (B, 1, T, D), remembered for the same tensor.
-
-        The layers of a model are handed one positions tensor per step: its angles are computed once.
-        """
-        b, t = positions.shape
-        if not torch.compiler.is_compiling():
-            last = self._rows
-            if last is not None and last[0]() is positions and last[1] == (dtype, self.base, self.scaling):
-                return last[2]
-        cos, sin = self._signed(positions.reshape(-1), dtype)  # (B * T, D) each
-        angles = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)  # (B, 1, T, D): broadcast over heads
-        if not torch.compiler.is_compiling():
-            self._rows = (weakref.ref(positions), (dtype, self.base, self.scaling), angles)
-        return angles
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """x (..., T, D) rotated by the angles of ``positions`` (T,)."""
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size {x.shape[-1]}")
-        return _apply(x, *self._signed(positions, x.dtype))
+        return apply_rotary(x, *self.signed_angles(positions, x.dtype))
 
     def forward(self, q: Tensor, k: Tensor, *, offset: int = 0, positions: Tensor | None = None
                 ) -> tuple[Tensor, Tensor]:
@@ -124,10 +86,12 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding(head_dim={self.head_dim}) got vectors of size "
                              f"{q.shape[-1]} and {k.shape[-1]}")
         if positions is not None:
-            cos, sin = self._angles_of(positions, q.dtype)  # (B, 1, T, D) each
-            return _apply(q, cos, sin), _apply(k, cos.to(k.dtype), sin.to(k.dtype))
-        cos, sin = self._angles_at(offset, q.shape[-2], q.dtype, q.device)  # (T, D) each
-        return _apply(q, cos, sin), _apply(k, cos.to(k.dtype), sin.to(k.dtype))  # .to is free for the same dtype
+            b, t = positions.shape
+            cos, sin = self.signed_angles(positions.reshape(-1), q.dtype)  # (B * T, D) each
+            cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)  # (B, 1, T, D): broadcast over heads
+        else:
+            cos, sin = self.signed_angles(torch.arange(offset, offset + q.shape[-2], device=q.device), q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))  # .to: free if alike
 
     def extra_repr(self) -> str:
         scaling = "" if self.scaling == 1 else f", scaling={self.scaling:g}"

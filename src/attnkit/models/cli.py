@@ -105,7 +105,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _check(args: argparse.Namespace, *, chat: bool) -> None:
     """Reject bad options before the (slow) model load; ``chat``: the prompt goes through a chat template."""
     from attnkit.models.sampling import Sampler
-    from attnkit.models.streaming import SinkSpec
+    from attnkit.models.sink_caches import SinkSpec
 
     if args.gguf is not None and args.model is not None:
         raise ValueError(f"--model {args.model} and --gguf name two models: give one")
@@ -232,7 +232,7 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
 
     from attnkit.models.generation import IncrementalDecoder, generate_steps
     from attnkit.models.generation_options import GenerationStats
-    from attnkit.models.streaming import SinkSpec
+    from attnkit.models.sink_caches import SinkSpec
 
     endless = SinkSpec.parse(args.cache) is not None  # sink caches: no limit on new tokens
     room = args.max_new_tokens if endless else model.context_length - len(ids)

@@ -7,9 +7,13 @@ file (:mod:`attnkit.models.llama`, :mod:`attnkit.models.gemma3`) builds its
 blocks and hands them to :class:`DecoderModel`, which runs them with one KV
 cache per layer for the generation loop (:mod:`attnkit.models.generation`).
 
-A block is any module with ``forward(x, positions, key_mask, kv_cache) -> x``
-(B, T, C) whose attention layer is its ``attention`` attribute (for
-:func:`attnkit.trace` and the cache transaction).
+A block is any module with ``forward(x, context, kv_cache) -> x`` (B, T, C)
+whose attention layer is its ``attention`` attribute (for :func:`attnkit.trace`
+and the cache transaction), called as ``attention(h, context=context,
+kv_cache=kv_cache)``. The model checks its inputs once at the door
+(:meth:`DecoderModel.forward`) and builds one
+:class:`~attnkit.modules.context.StepContext` per step, which every layer
+reads without checking anything again.
 
 Legend: B batch, T tokens, S positions incl. cached ones, C model width,
 I feed-forward width, V vocabulary.
@@ -25,6 +29,7 @@ from torch import Tensor, nn
 
 from attnkit.functional.norm import RMSNorm
 from attnkit.modules import Int8KVCache, KVCache, StaticKVCache
+from attnkit.modules.context import StepContext
 from attnkit.modules.kv_cache import STORAGE_DTYPES, Cache, check_cache, check_positions, transaction
 from attnkit.modules.quantize import check_conversion, quantize, resolve_form
 
@@ -143,19 +148,26 @@ class DecoderModel(GenerationMixin, nn.Module):
             return [StaticKVCache(capacity, dtype=dtype) for _ in self.layers]
         return [KVCache(capacity, dtype=dtype) for _ in self.layers]
 
-    def _hidden(self, input_ids: Tensor, positions: Tensor | None, key_mask: Tensor | None,
-                kv_caches: Sequence[Cache | None]) -> Tensor:
+    def _hidden(self, input_ids: Tensor, context: StepContext, kv_caches: Sequence[Cache | None]) -> Tensor:
         x = self.embed_tokens(input_ids)  # (B, T) -> (B, T, C)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, key_mask, cache)
+            x = layer(x, context, cache)
         return self.norm(x)
 
     def _run(self, input_ids: Tensor, positions: Tensor | None, key_mask: Tensor | None,
              kv_caches: Sequence[Cache] | None) -> Tensor:
+        b, t = input_ids.shape
         if kv_caches is None:
-            return self._hidden(input_ids, positions, key_mask, [None] * len(self.layers))
+            context = StepContext(t, positions=positions, key_mask=key_mask)
+            return self._hidden(input_ids, context, [None] * len(self.layers))
         with transaction(kv_caches, [block.attention for block in self.layers]):  # all caches, or none, change
-            return self._hidden(input_ids, positions, key_mask, kv_caches)
+            if positions is None:  # the caches advance together: the first one says where this step goes
+                at = kv_caches[0].next_positions(b, t, input_ids.device)  # int, or (B, T)
+                context = StepContext(t, offset=at, key_mask=key_mask) if isinstance(at, int) else StepContext(
+                    t, positions=at, key_mask=key_mask)
+            else:
+                context = StepContext(t, positions=positions, key_mask=key_mask)
+            return self._hidden(input_ids, context, kv_caches)
 
     def _check_caches(self, kv_caches: object) -> Sequence[Cache] | None:
         if kv_caches is None:

@@ -48,6 +48,7 @@ from attnkit._optional import GEMMA3_PACKAGES, MissingDependencyError, install_h
 from attnkit.functional import RotaryEmbedding
 from attnkit.functional.norm import QKNorm, RMSNorm
 from attnkit.modules import MultiHeadAttention
+from attnkit.modules.context import StepContext
 from attnkit.modules.heads import Heads
 from attnkit.modules.kv_cache import Cache
 
@@ -125,8 +126,8 @@ class Gemma3Block(nn.Module):
         self.mlp = GatedMLP(c, config.ffn_size, gelu_tanh)  # GeGLU
         self.post_mlp_norm = RMSNorm(c, eps=eps)
 
-    def forward(self, x: Tensor, positions: Tensor | None, key_mask: Tensor | None, kv_cache: Cache | None) -> Tensor:
-        h = self.attention(self.attention_norm(x), positions=positions, key_mask=key_mask, kv_cache=kv_cache)
+    def forward(self, x: Tensor, context: StepContext, kv_cache: Cache | None) -> Tensor:
+        h = self.attention(self.attention_norm(x), context=context, kv_cache=kv_cache)
         x = x + self.post_attention_norm(h)  # (B, T, C)
         return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from attnkit.modules.kv_cache import Cache, check_storage_dtype
 
 from .sampling import Sampler
-from .streaming import SinkSpec
+from .sink_caches import SinkSpec
 
 
 class CausalLM(Protocol):

@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit.functional import RotaryEmbedding
-from attnkit.functional.norm import RMSNorm as RMSNorm  # re-exported: it lived here
+from attnkit.functional.norm import RMSNorm
 from attnkit.modules import MultiHeadAttention
+from attnkit.modules.context import StepContext
 from attnkit.modules.kv_cache import Cache
 
 from .decoder import DecoderModel, GatedMLP
-from .decoder import transposed_storage as transposed_storage  # re-exported: the loader imports it from here
 from .generation import Tokenizer
 
 
@@ -98,8 +98,8 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(c, eps=config.norm_eps)
         self.mlp = SwiGLU(c, config.ffn_size)
 
-    def forward(self, x: Tensor, positions: Tensor | None, key_mask: Tensor | None, kv_cache: Cache | None) -> Tensor:
-        h = self.attention(self.attention_norm(x), positions=positions, key_mask=key_mask, kv_cache=kv_cache)
+    def forward(self, x: Tensor, context: StepContext, kv_cache: Cache | None) -> Tensor:
+        h = self.attention(self.attention_norm(x), context=context, kv_cache=kv_cache)
         x = x + h  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -121,12 +121,3 @@ class LlamaModel(DecoderModel):
     def __init__(self, config: LlamaConfig, tokenizer: Tokenizer | None = None) -> None:
         rope = RotaryEmbedding(config.head_dim, base=config.rope_base, scaling=config.rope_scaling)  # one for all
         super().__init__(config, [LlamaBlock(config, rope) for _ in range(config.num_layers)], tokenizer)
-
-
-def __getattr__(name: str) -> Any:
-    """``load_gguf``, ``load_smollm2``, ``smollm2_path`` moved to :mod:`attnkit.models.loader`."""
-    if name in ("load_gguf", "load_smollm2", "smollm2_path", "convert_gguf_weights", "SMOLLM2_FILE"):
-        from . import loader
-
-        return getattr(loader, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

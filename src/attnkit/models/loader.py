@@ -30,9 +30,9 @@ from attnkit._optional import MissingDependencyError
 from attnkit.modules.packed import int4_fits
 from attnkit.modules.quantize import WEIGHT_FORMS, resolve_form
 
-from .decoder import DecoderModel, assemble, pack, release_freed_memory
+from .decoder import DecoderModel, assemble, pack, release_freed_memory, transposed_storage
 from .gguf import Q4_1_BLOCK, GGUFFile, q4_1_grid, read_gguf, unpermute_rows
-from .llama import LlamaConfig, LlamaModel, transposed_storage
+from .llama import LlamaConfig, LlamaModel
 from .tokenizer import GGUFTokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

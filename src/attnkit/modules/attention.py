@@ -13,12 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit.backends import observed
+from attnkit.backends import AttentionCall, observed
 from attnkit.backends.kernel import Kernel, KernelRequest, check_kernel
 from attnkit.backends.modifiers import MASK_ARGS, SCORE_ARGS, check_modifier
 from attnkit.functional import RotaryEmbedding, position_mask
 from attnkit.functional.modifiers import MaskMod, ScoreMod, and_masks, modifier_name
+from attnkit.functional.rope import apply_rotary
 
+from .context import StepContext
 from .heads import AttentionHeads, Heads, Modifiers, factory_kwargs
 from .kv_cache import Cache, CachedKeys, PackedKeys, check_cache, check_positions, transaction
 
@@ -153,6 +155,7 @@ class MultiHeadAttention(AttentionHeads):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(d_in, q_size + 2 * kv_size, bias=qkv_bias, **factory)
         self._sizes = (q_size, kv_size, kv_size)
+        self._width = q_size + 2 * kv_size
 
     def extra_repr(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
@@ -208,9 +211,8 @@ class MultiHeadAttention(AttentionHeads):
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries (B, H, T, D), keys and values (B, G, T, D): q and k normalised by ``qk_norm``, not rotated."""
         qkv = self.qkv_proj(x)  # (B, T, d_in) -> (B, T, (H+2G)D)
-        if qkv.shape[-1] != sum(self._sizes) or qkv.dtype != x.dtype:
-            raise ValueError(f"qkv_proj ({type(self.qkv_proj).__name__}) gave {qkv.dtype} (..., {qkv.shape[-1]}) "
-                             f"for {x.dtype} input; the layer needs {x.dtype} (..., {sum(self._sizes)})")
+        if qkv.shape[-1] != self._width or qkv.dtype != x.dtype:
+            self._refuse_projection(qkv, x)
         q, k, v = qkv.split(self._sizes, dim=-1)  # (B, T, (H+2G)D) -> 3 parts
         q, k, v = self.split(q, self.num_heads), self.split(k, self.num_kv_heads), self.split(v, self.num_kv_heads)
         if self.qk_norm is not None:
@@ -223,7 +225,7 @@ class MultiHeadAttention(AttentionHeads):
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, key_mask: Tensor | None = None,
                 attn_mask: Tensor | None = None, kv_cache: Cache | None = None, need_weights: bool = False,
-                mask_mod: MaskMod | None = None, parallel: object = None) -> Tensor | tuple[Tensor, Tensor]:
+                mask_mod: MaskMod | None = None, context: StepContext | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from x (B, T, d_in) to itself (and to what ``kv_cache`` holds).
 
         Args:
@@ -246,16 +248,15 @@ class MultiHeadAttention(AttentionHeads):
             mask_mod: a mask modifier for this call alone (e.g. a
                 ``document_mask`` of packed sequences), and-ed with the
                 layer's; it reads the same positions as the layer's modifiers.
-            parallel: removed; context parallelism is a kernel component
-                given as ``backend`` (``MultiHeadAttention(...,
-                backend=ContextParallel(...))`` or ``layer.backend = ...``).
+            context: a step of a model that checked its inputs
+                (:class:`~attnkit.modules.context.StepContext`): positions,
+                padding, angles and band come from it and nothing is checked
+                here (only ``x`` and ``kv_cache`` are read besides it).
 
         Returns: (B, T, d_out), or (output, weights) with ``need_weights``.
         """
-        if parallel is not None:
-            raise TypeError("forward(parallel=...) was removed: context parallelism is a kernel component, given "
-                            "once as the layer's backend: MultiHeadAttention(..., backend=ContextParallel(...)) "
-                            "or layer.backend = ContextParallel(...)")
+        if context is not None:
+            return self._step(x, context, kv_cache)
         if isinstance(self.backend, str):
             mods = self._checked(x, mask_mod)
         else:  # the kernel checks the call (on every rank) and may place its tokens
@@ -284,6 +285,40 @@ class MultiHeadAttention(AttentionHeads):
             q, k = self._rotate(q, k, at)
             keys = cache.update(k, v, at if isinstance(at, Tensor) else None)  # (B, G, S, D)
             return self._attend(q, keys, at, key_mask, attn_mask, need_weights, mods)
+
+    def _refuse_projection(self, qkv: Tensor, x: Tensor) -> None:
+        raise ValueError(f"qkv_proj ({type(self.qkv_proj).__name__}) gave {qkv.dtype} (..., {qkv.shape[-1]}) "
+                         f"for {x.dtype} input; the layer needs {x.dtype} (..., {self._width})")
+
+    def _step(self, x: Tensor, ctx: StepContext, cache: Cache | None) -> Tensor:
+        """One step of a checked model: project, rotate at the step's positions, store, attend. No checks."""
+        if not isinstance(self.backend, str):  # a kernel component places and checks its own calls
+            return self.forward(x, positions=ctx.positions, key_mask=ctx.key_mask, kv_cache=cache)  # type: ignore
+        b, t, _ = x.shape
+        h, g, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (B, T, d_in) -> (B, T, (H+2G)D)
+        if qkv.shape[-1] != self._width or qkv.dtype != x.dtype:  # a module swap the layer cannot run
+            self._refuse_projection(qkv, x)
+        q, k, v = qkv[..., : h * d], qkv[..., h * d : (h + g) * d], qkv[..., (h + g) * d :]  # 3 parts
+        q = q.view(b, t, h, d).transpose(1, 2)  # (B, T, H * D) -> (B, H, T, D)
+        k = k.view(b, t, g, d).transpose(1, 2)  # (B, T, G * D) -> (B, G, T, D)
+        v = v.view(b, t, g, d).transpose(1, 2)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)  # per head, over D
+        if self.rope is not None:
+            cos, sin = ctx.angles(self.rope, t, q.dtype, q.device)  # (T, D) or (B, 1, T, D)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys = CachedKeys(k, v, ctx.positions) if cache is None else cache.update(k, v, ctx.positions)
+        plain = self.window is None and self.score_mod is None and self.mask_mod is None and self.sinks is None
+        if not (plain and type(keys) is CachedKeys):  # windows trim keys, modifiers read positions, packed keys
+            at = ctx.offset if ctx.positions is None else ctx.positions
+            return self._attend(q, keys, at, ctx.key_mask, None, False, self._modifiers(None))  # type: ignore
+        aligned = ctx.positions is None and keys.positions is None  # a plain prefix: the kernel aligns the band
+        mask = None if aligned and ctx.key_mask is None else ctx.mask(keys.positions, keys.k.shape[2],
+                                                                      causal=self.causal)  # (B, 1, T?, S)
+        call = AttentionCall(q, keys.k, keys.v, mask, self.causal and aligned, None, self.scale,
+                             self.dropout if self.training else 0.0)
+        return self.merge(ctx.kernel(self.backend, call)(call))  # (B, H, T, D) -> (B, T, d_out)
 
     def _modifiers(self, mask_mod: MaskMod | None) -> Modifiers | None:
         """The layer's modifiers and sinks, with this call's mask modifier and-ed in; None if there are none."""

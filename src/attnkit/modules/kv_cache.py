@@ -32,7 +32,6 @@ Legend: B batch, G key/value heads, T new positions, S positions held, D head di
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -121,9 +120,6 @@ def transaction(caches: Sequence[Cache], owners: Sequence[object]) -> Iterator[N
         raise
 
 
-_last_checked: list[weakref.ref[Tensor]] = []  # the positions tensor checked last (every layer gets the same)
-
-
 STORAGE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -148,15 +144,14 @@ def check_positions(positions: object, batch: int, length: int) -> Tensor:
     """Positions must be (B, T) long, >= 0 (or -1: padding) and increasing along a row (padding aside).
 
     A repeated position is refused like a decreasing one: caches store keys by
-    position (StaticKVCache would overwrite the first with the second).
-
-    The values are read once per tensor: the layers of a model, handed the same
-    positions, check them once (a tensor changed in place between calls is not read again).
+    position (StaticKVCache would overwrite the first with the second). A model
+    checks its positions once, at its door; its layers read them from the
+    step's context and check nothing.
     """
     if not isinstance(positions, Tensor) or positions.dtype != torch.long or tuple(positions.shape) != (batch, length):
         got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, Tensor) else repr(positions)
         raise ValueError(f"positions must be a torch.long (B, T) = ({batch}, {length}) tensor, got {got}")
-    if torch.compiler.is_compiling() or (_last_checked and _last_checked[0]() is positions):
+    if torch.compiler.is_compiling():
         return positions
     before = positions.cummax(dim=1).values[:, :-1]  # (B, T - 1): the highest position so far
     drops = (positions[:, 1:] >= 0) & (positions[:, 1:] <= before)  # (B, T - 1): not above every earlier one
@@ -166,7 +161,6 @@ def check_positions(positions: object, batch: int, length: int) -> Tensor:
         row, t = (int(i) for i in drops.nonzero()[0])
         raise ValueError(f"positions must increase within a row (no decrease, no repeat): row {row} goes from "
                          f"{int(before[row, t])} to {int(positions[row, t + 1])}")
-    _last_checked[:] = [weakref.ref(positions)]
     return positions
 
 

@@ -1,0 +1,87 @@
+"""Python calls in one decode step of SmolLM2, per decoder layer: what the framework costs besides the kernels.
+
+    python -m attnkit.bench.calls            # growing and static caches, batch 1, as a table
+    python -m attnkit.bench.calls --json     # the same as JSON
+
+Counted with ``sys.setprofile``: every function called from Python, Python
+functions and C ones alike ("call" and "c_call" events: a torch op called from
+Python counts once, what it runs inside does not) during one ``model.step`` of one new
+token after a 16-token prompt, divided by the number of layers. The model is a
+random SmolLM2-shaped Llama (30 layers, float32): the count depends on the code
+path, not on the weights, so no model file is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from types import FrameType
+from typing import Any
+
+import torch
+
+PROMPT = 16
+
+
+def _model() -> Any:
+    from attnkit.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, context_length=256)  # SmolLM2's layers; a small vocabulary
+    return LlamaModel(config).eval()
+
+
+def count_step(model: Any, static: bool) -> tuple[int, Counter[str]]:
+    """Python calls (and the functions called, by file:name) in one decode step after a 16-token prompt."""
+    caches = model.new_caches(64, static=static)
+    ids = torch.randint(0, model.vocab_size, (1, PROMPT))
+    positions = torch.arange(PROMPT)[None] if static else None
+    with torch.inference_mode():
+        model.step(ids, positions, caches)  # prefill (not counted)
+        token = torch.randint(0, model.vocab_size, (1, 1))
+        at = torch.tensor([[PROMPT]]) if static else None
+        model.step(token, at, caches)  # one step to warm every path once
+        at = torch.tensor([[PROMPT + 1]]) if static else None
+        seen: Counter[str] = Counter()
+
+        def profile(frame: FrameType, event: str, arg: object) -> None:
+            if event == "call":
+                seen[f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
+            elif event == "c_call":
+                seen[f"{getattr(arg, '__qualname__', type(arg).__name__)} (C)"] += 1
+
+        sys.setprofile(profile)
+        try:
+            model.step(token, at, caches)
+        finally:
+            sys.setprofile(None)
+    return sum(seen.values()), seen
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m attnkit.bench.calls", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--top", type=int, default=0, help="also list the N most called functions")
+    args = parser.parse_args(argv)
+    model = _model()
+    layers = len(model.layers)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, static in (("growing", False), ("static", True)):
+        total, seen = count_step(model, static)
+        rows[name] = {"calls_per_step": total, "calls_per_layer": total / layers,
+                      "top": seen.most_common(args.top)}
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    if args.json:
+        print(json.dumps({"layers": layers, "cpu_capability": capability, "torch": torch.__version__, **rows}))
+        return
+    print(f"Python calls in one decode step, batch 1, {layers} layers (torch {torch.__version__}, {capability})")
+    for name, row in rows.items():
+        print(f"  {name:8} cache: {row['calls_per_step']:6d} per step, {row['calls_per_layer']:6.1f} per layer")
+        for function, n in row["top"]:
+            print(f"      {n:6d}  {function}")
+
+
+if __name__ == "__main__":
+    main()
