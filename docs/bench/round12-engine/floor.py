@@ -4,7 +4,7 @@ the Python calls per decoder layer, in one run.
     .venv/bin/python docs/bench/round12-engine/floor.py > docs/bench/round12-engine/floor.txt
 
 SmolLM2-135M-Instruct, each weight form given, 16-token prompts, 64 new tokens, batch 1 and 8, greedy, 2
-threads: decode tokens/s per row (the 63 steps after the first token), median of 5 interleaved rounds after
+threads: decode tokens/s per row (the 63 steps after the first token), median of 3 interleaved rounds after
 a warm-up. The floor runs the very same modules (packed layers included), so the difference is what attnkit's
 framework adds: the step context, the cache protocol, kernel dispatch, the generation loop's bookkeeping.
 """
@@ -55,7 +55,7 @@ def main() -> None:
             for run in runs.values():
                 decode_rate(run, ids)  # warm-up
             rates: dict[str, list[float]] = {name: [] for name in runs}
-            for _ in range(5):
+            for _ in range(3):
                 for name, run in runs.items():
                     rates[name].append(decode_rate(run, ids))
             a, f = statistics.median(rates["attnkit"]), statistics.median(rates["floor"])
