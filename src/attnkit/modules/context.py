@@ -49,14 +49,15 @@ class StepContext:
     key_mask: Tensor | None = None
     _angles: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[bool, int | None], Tensor] = field(default_factory=dict, repr=False)
-    _kernels: dict[tuple[str, bool, bool, bool], Callable[[AttentionCall], Tensor]] = field(
+    _kernels: dict[tuple[str, bool, bool, bool, bool], Callable[[AttentionCall], Tensor]] = field(
         default_factory=dict, repr=False)
 
     def kernel(self, backend: str, call: AttentionCall) -> Callable[[AttentionCall], Tensor]:
         """The kernel ``backend`` ("auto", "sdpa", ...) chooses for calls like ``call``, chosen once per step:
-        every layer of the step makes calls of one size, band and mask. While :func:`attnkit.trace` observes
+        every layer of the step makes calls of one size, band and mask (a layer with dropout in training, or
+        keys stored in fewer bytes, gets its own choice). While :func:`attnkit.trace` observes
         attention, every call goes through :func:`attnkit.backends.run`, which records it."""
-        key = (backend, call.causal, call.mask is None, call.k.dtype != call.q.dtype)
+        key = (backend, call.causal, call.mask is None, call.k.dtype != call.q.dtype, call.dropout_p > 0)
         if key not in self._kernels:
             if observed():
                 self._kernels[key] = lambda c: run(c, backend=backend)  # type: ignore[assignment,return-value]
