@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit.bench.generate_contenders import sync, time_steps, token_ids
 from attnkit.models.llama import LlamaBlock, LlamaModel
 
 
@@ -185,11 +186,6 @@ class FloorLlama(nn.Module):
         return torch.stack(list(self.steps(ids, max_new_tokens)), dim=1)  # max_new_tokens x (B,) -> (B, N)
 
 
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(torch.device(device))
-
-
 @dataclass
 class Floor:
     """The floor on a loaded attnkit model, timed as the generate suite times a contender.
@@ -207,16 +203,7 @@ class Floor:
 
     def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
         """Seconds to the first new token of one prompt, and seconds for the other ``new_tokens - 1``."""
-        _sync(self.device)
-        start = time.perf_counter()
-        steps = self.floor.steps(torch.tensor([list(ids)], dtype=torch.long, device=self.device), new_tokens)
-        next(steps)
-        _sync(self.device)
-        first = time.perf_counter()
-        for _ in steps:
-            pass
-        _sync(self.device)
-        return first - start, time.perf_counter() - first
+        return time_steps(lambda: self.floor.steps(token_ids([ids], self.device), new_tokens), self.device)
 
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
         """Seconds to generate ``new_tokens`` for every prompt (all of one length)."""
@@ -224,8 +211,8 @@ class Floor:
         if len(lengths) != 1:
             raise ValueError(f"the floor takes prompts of one length (it has no padding), got lengths {lengths}")
         ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=self.device)  # (B, T)
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         self.floor.generate(ids, new_tokens)
-        _sync(self.device)
+        sync(self.device)
         return time.perf_counter() - start

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -156,7 +156,7 @@ def device_type(device: str) -> str:
     return kind
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     """Wait for the work queued on ``device`` (CUDA runs asynchronously): before every clock read."""
     if device_type(device) == "cuda":
         torch.cuda.synchronize(torch.device(device))
@@ -171,6 +171,21 @@ def prompt_ids(tokenizer: Any, length: int, offset: int = 0) -> list[int]:
     body, n = ids[len(head) :], length - len(head)
     reps = -(-(n + offset) // len(body))
     return head + (body * reps)[offset : offset + n]
+
+
+def time_steps(start_steps: Callable[[], Iterator[Any]], device: str) -> tuple[float, float]:
+    """Seconds to the first step of the generation ``start_steps()`` begins (its checks and prefill included),
+    and seconds for the rest of its steps, read after the device finishes each part."""
+    sync(device)
+    start = time.perf_counter()
+    steps = start_steps()
+    next(steps)
+    sync(device)
+    first = time.perf_counter()
+    for _ in steps:
+        pass
+    sync(device)
+    return first - start, time.perf_counter() - first
 
 
 class Contender(Protocol):
@@ -202,25 +217,17 @@ class Attnkit:
     def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
         from attnkit.models.generation import generate_steps
 
-        _sync(self.device)
-        start = time.perf_counter()
-        steps = generate_steps(self.model, token_ids([ids], self.device), max_new_tokens=new_tokens, stop_ids=[],
-                               compile=self.compile, kv_dtype=self.kv_dtype)  # (1, T)
-        next(steps)
-        _sync(self.device)
-        first = time.perf_counter()
-        for _ in steps:
-            pass
-        _sync(self.device)
-        return first - start, time.perf_counter() - first
+        return time_steps(lambda: generate_steps(self.model, token_ids([ids], self.device), max_new_tokens=new_tokens,
+                                                 stop_ids=[], compile=self.compile, kv_dtype=self.kv_dtype),
+                          self.device)  # (1, T)
 
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
         ids = token_ids(prompts, self.device)  # (B, T)
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         self.model.generate(ids, torch.ones_like(ids), max_new_tokens=new_tokens, stop_ids=[], compile=self.compile,
                             kv_dtype=self.kv_dtype)
-        _sync(self.device)
+        sync(self.device)
         return time.perf_counter() - start
 
 
@@ -233,7 +240,7 @@ class _Clock:
         self.device = device
 
     def put(self, _: object) -> None:
-        _sync(self.device)
+        sync(self.device)
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
@@ -255,7 +262,7 @@ class Transformers:
 
     def single(self, ids: Sequence[int], new_tokens: int) -> tuple[float, float]:
         clock = _Clock(self.device)
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         self._generate(token_ids([ids], self.device), new_tokens, clock)  # (1, T)
         if len(clock.times) != new_tokens + 1:
@@ -263,10 +270,10 @@ class Transformers:
         return clock.times[1] - start, clock.times[-1] - clock.times[1]
 
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         self._generate(token_ids(prompts, self.device), new_tokens)  # (B, T)
-        _sync(self.device)
+        sync(self.device)
         return time.perf_counter() - start
 
 
@@ -308,10 +315,10 @@ def decode_bound_seconds(model: Any, repeats: int = 5) -> float:
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             for m, v in zip(mats, vecs, strict=True):
                 torch.nn.functional.linear(v, m)  # (1, in) -> (1, out)
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
