@@ -93,7 +93,7 @@ def test_help_lists_every_command_and_unknown_commands_point_to_it(tiny: str, mo
 def test_ctrl_c_during_an_answer_stops_it_and_keeps_what_was_written(
         tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Ctrl-C during an answer ended the whole session; now it ends the answer, whose first part stays."""
-    from attnkit.models.generation import IncrementalDecoder
+    from attnkit.models.text import IncrementalDecoder
 
     added = {"n": 0}
     add = IncrementalDecoder.add

@@ -209,7 +209,7 @@ def test_generate_says_when_max_new_tokens_cut_the_text(tiny: str, capsys: pytes
 
 def test_generate_ctrl_c_stops_with_exit_130_and_no_traceback(tiny: str, monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from attnkit.models.generation import IncrementalDecoder
+    from attnkit.models.text import IncrementalDecoder
 
     def press_ctrl_c(self: IncrementalDecoder, token: int) -> str:
         raise KeyboardInterrupt

@@ -236,7 +236,7 @@ def test_bad_seeds_are_named(tiny32: Any, seed: Any) -> None:
 
 def test_stream_decodes_a_window_not_the_whole_answer_each_token(tiny32: Any) -> None:
     """Streaming decoded every id again at every token: quadratic in the answer's length."""
-    from attnkit.models.generation import _pieces
+    from attnkit.models.text import TextStream
 
     ids = tiny32.tokenize("the sin a in " * 5)["input_ids"][0]
     decoded = []
@@ -245,7 +245,8 @@ def test_stream_decodes_a_window_not_the_whole_answer_each_token(tiny32: Any) ->
         decoded.append(len(window))
         return tiny32.decode(window)
 
-    pieces = list(_pieces(iter([t.view(1) for t in ids]), decode))
+    text = TextStream(decode)
+    pieces = [text.add(int(t)) for t in ids] + [text.flush()]
     assert "".join(pieces) == tiny32.decode(ids)
     assert max(decoded) <= 4 and sum(decoded) <= 6 * len(ids)
 
@@ -260,12 +261,28 @@ def test_stream_yields_the_generated_text(tiny32: Any) -> None:
 
 def test_stream_holds_back_incomplete_utf8(tiny32: Any) -> None:
     """Bytes of one character arrive as separate tokens: no piece may show a replacement character."""
-    from attnkit.models.generation import _pieces
+    from attnkit.models.text import TextStream
 
     ids = tiny32.tokenize("é€")["input_ids"][0]  # 2 + 3 bytes, one token each
-    steps = iter([t.view(1) for t in ids])
-    pieces = list(_pieces(steps, tiny32.decode))
+    text = TextStream(tiny32.decode)
+    pieces = [p for p in [text.add(int(t)) for t in ids] + [text.flush()] if p]
     assert pieces == ["é", "€"]
+
+
+def test_stream_ends_at_a_stop_string_and_never_shows_it(tiny32: Any) -> None:
+    """A stop string that spans tokens ends the text where it starts; nothing of it or after it is shown."""
+    ids = tiny32.tokenize("the")["input_ids"]
+    full = "".join(tiny32.stream(ids, max_new_tokens=12, stop_ids=[]))
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # three characters from the middle, across tokens
+    pieces = list(tiny32.stream(ids, max_new_tokens=12, stop_ids=[], stop=[stop]))
+    assert "".join(pieces) == full[: full.find(stop)]
+
+
+def test_generate_refuses_stop_strings_it_cannot_see(tiny32: Any) -> None:
+    """generate() returns ids: a stop string would be silently ignored."""
+    ids = tiny32.tokenize("the")["input_ids"]
+    with pytest.raises(ValueError, match="stop=.*returns token ids"):
+        tiny32.generate(ids, max_new_tokens=4, stop=["x"])
 
 
 BAD = [
@@ -276,7 +293,7 @@ BAD = [
     (dict(max_new_tokens=2, top_k=0), "top_k=0"),
     (dict(max_new_tokens=2, stop_ids=[10**6]), "stop id 1000000"),
     (dict(max_new_tokens=2, stop_ids=2), r"stop_ids must be a list of token ids .* got stop_ids=2"),
-    (dict(max_new_tokens=61), "exceeds the model.s context length 64; ask for at most 60"),
+    (dict(max_new_tokens=61), "exceeds the model.s context length \\(64 positions\\); ask for at most 60"),
 ]
 
 
@@ -292,7 +309,7 @@ def test_bad_options_are_named(tiny32: Any, options: dict[str, Any], message: st
     (torch.tensor([[5, 265]]), None, "token id 265, outside the vocabulary"),
     (torch.tensor([[5, -1]]), None, "token id -1"),
     (torch.tensor([[5.0, 6.0]]), None, "torch.long"),
-    (torch.ones(1, 70, dtype=torch.long), None, "more than the model's context length 64"),
+    (torch.ones(1, 70, dtype=torch.long), None, "more than the model's context length \\(64 positions\\)"),
     (torch.tensor([[5, 6]]), torch.ones(1, 3), "shape of input_ids"),
     (torch.tensor([[5, 6]]), torch.ones(1, 2), "dtype torch.float32"),
     (torch.tensor([[5, 6]]), torch.tensor([[1, 0]]), "left-padded"),

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from attnkit.serve import Engine, SamplingParams
+from attnkit.models.generation_options import GenerationOptions
+from attnkit.serve import Engine
 from tests._util import need
 from tests.serve.test_engine import Words, _engine, _model
 
@@ -100,7 +101,7 @@ def test_a_prompt_longer_than_the_context_says_context_length_exceeded(client: A
 def test_an_engine_refusal_names_the_field_the_prompt_came_from() -> None:
     """Bug: Server.submit blamed "messages" for every prompt that is not empty, a completion's included."""
     server = _server(_engine(_model()))
-    too_long = SamplingParams(max_tokens=500)  # past the context: the engine refuses it
+    too_long = GenerationOptions(max_new_tokens=500)  # past the context: the engine refuses it
 
     async def submit(source: str) -> APIError:
         with pytest.raises(APIError) as refused:
@@ -109,7 +110,7 @@ def test_an_engine_refusal_names_the_field_the_prompt_came_from() -> None:
 
     for source in ("prompt", "messages"):
         error = asyncio.run(submit(source))
-        assert error.status == 400 and error.param == source and "context window" in error.message
+        assert error.status == 400 and error.param == source and "context length" in error.message
 
 
 def test_a_model_is_retrieved_by_its_id_and_another_is_not_found(client: Any) -> None:
@@ -181,7 +182,7 @@ def test_a_client_that_leaves_a_request_that_does_not_stream_is_cancelled_while_
     try:
         asyncio.run(leave_mid_answer())
         deadline = time.monotonic() + 10
-        while engine.running and time.monotonic() < deadline:
+        while not engine.idle and time.monotonic() < deadline:
             time.sleep(0.01)
         metrics = engine.metrics()
     finally:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from attnkit.models import LlamaConfig, LlamaModel
-from attnkit.serve import Engine, PagedBatch, PagedKVPool, SamplingParams
+from attnkit.models.generation_options import GenerationOptions
+from attnkit.serve import Engine, PagedBatch, PagedKVPool
 from attnkit.serve.engine import Event
 
 
@@ -30,7 +31,7 @@ def _engine(model: LlamaModel, **options: Any) -> Engine:
     return Engine(model, _decode, block_size=4, **options)
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[list[int], str]]:
+def _run(engine: Engine, prompts: list[list[int]], params: list[GenerationOptions]) -> list[tuple[list[int], str]]:
     """Submit every prompt, step until all finish; (token ids, finish reason) of each."""
     results: list[tuple[list[int], str]] = [([], "") for _ in prompts]
 
@@ -44,14 +45,14 @@ def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams])
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.submit(prompt, p, collect(i))
     for _ in range(10_000):
-        if not engine.running and not engine.waiting:
+        if engine.idle:
             break
         engine.step()
     return results
 
 
-def _alone(model: LlamaModel, prompt: list[int], p: SamplingParams) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=p.max_tokens, temperature=p.temperature,
+def _alone(model: LlamaModel, prompt: list[int], p: GenerationOptions) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                          top_p=p.top_p, seed=p.seed, stop_ids=[])
     return out[0, len(prompt):].tolist()
 
@@ -77,8 +78,8 @@ def test_concurrent_greedy_and_seeded_answers_equal_generate_alone() -> None:
     engine = _engine(model, max_batch=4)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (3, 9, 17, 5, 12, 6)]
-    params = [SamplingParams(max_tokens=8, temperature=0.0) if i % 2 else
-              SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, seed=i) for i in range(len(prompts))]
+    params = [GenerationOptions(max_new_tokens=8, temperature=0.0) if i % 2 else
+              GenerationOptions(max_new_tokens=8, temperature=1.5, top_p=0.9, seed=i) for i in range(len(prompts))]
     results = _run(engine, prompts, params)
     for prompt, p, (tokens, reason) in zip(prompts, params, results, strict=True):
         assert tokens == _alone(model, prompt, p) and reason == "length"
@@ -92,7 +93,7 @@ def test_a_bfloat16_pool_holds_twice_the_blocks_and_answers_as_generate_over_a_b
     assert engine.pool.k[0].dtype == torch.bfloat16
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (3, 9, 17)]
-    params = [SamplingParams(max_tokens=8, temperature=0.0)] * 3
+    params = [GenerationOptions(max_new_tokens=8, temperature=0.0)] * 3
     for prompt, (tokens, _) in zip(prompts, _run(engine, prompts, params), strict=True):
         alone = model.generate(torch.tensor([prompt]), max_new_tokens=8, stop_ids=[], kv_dtype="bfloat16")
         assert tokens == alone[0, len(prompt):].tolist()
@@ -106,7 +107,7 @@ def test_a_shared_prefix_is_reused_and_answers_do_not_change() -> None:
     engine = _engine(model)
     system = list(range(1, 17))  # four full blocks
     prompts = [[*system, 20, 21], [*system, 30]]
-    p = SamplingParams(max_tokens=6, temperature=0.0)
+    p = GenerationOptions(max_new_tokens=6, temperature=0.0)
     cold = _run(engine, prompts[:1], [p])
     warm = _run(engine, prompts, [p, p])
     assert engine.blocks.hit_tokens >= 2 * 16  # the system prompt came from the cache, twice
@@ -117,7 +118,7 @@ def test_a_shared_prefix_is_reused_and_answers_do_not_change() -> None:
 def test_a_fully_cached_prompt_still_answers() -> None:
     model = _model()
     engine = _engine(model)
-    prompt, p = list(range(1, 13)), SamplingParams(max_tokens=5, temperature=0.0)
+    prompt, p = list(range(1, 13)), GenerationOptions(max_new_tokens=5, temperature=0.0)
     first = _run(engine, [prompt], [p])
     second = _run(engine, [prompt], [p])
     assert first[0][0] == second[0][0] == _alone(model, prompt, p)
@@ -129,9 +130,9 @@ def test_preemption_under_tiny_memory_still_answers_every_request_correctly() ->
                                             dtype=torch.float64)
     engine = _engine(model, kv_memory_mib=14 * per_block / 2**20, max_batch=6)  # 14 blocks for 6 sequences
     prompts = [[i + 1] * 9 for i in range(6)]
-    p = SamplingParams(max_tokens=10, temperature=0.0)
+    p = GenerationOptions(max_new_tokens=10, temperature=0.0)
     results = _run(engine, prompts, [p] * 6)
-    assert engine.stats["preemptions_total"] > 0
+    assert engine.metrics()["preemptions_total"] > 0
     for prompt, (tokens, _) in zip(prompts, results, strict=True):
         assert tokens == _alone(model, prompt, p)
     assert engine.blocks.free_blocks == engine.blocks.num_blocks
@@ -141,20 +142,20 @@ def test_cancelling_frees_blocks_at_the_next_step() -> None:
     model = _model()
     engine = _engine(model)
     events: list[Event] = []
-    seq = engine.submit(list(range(1, 10)), SamplingParams(max_tokens=50, temperature=0.0), events.append)
+    seq = engine.submit(list(range(1, 10)), GenerationOptions(max_new_tokens=50, temperature=0.0), events.append)
     engine.step()
     engine.step()
     assert engine.blocks.free_blocks < engine.blocks.num_blocks
     engine.cancel(seq)
     engine.step()
-    assert engine.blocks.free_blocks == engine.blocks.num_blocks and not engine.running
+    assert engine.blocks.free_blocks == engine.blocks.num_blocks and engine.idle
     assert events[-1].finish_reason == "cancelled"
 
 
 def test_stop_strings_end_an_answer_and_are_not_shown() -> None:
     model = _model()
     engine = _engine(model)
-    prompt, p = [3, 4, 5], SamplingParams(max_tokens=12, temperature=2.0, seed=3)  # sampled: varied tokens
+    prompt, p = [3, 4, 5], GenerationOptions(max_new_tokens=12, temperature=2.0, seed=3)  # sampled: varied tokens
     tokens = _alone(model, prompt, p)
     full = _decode(tokens)
     stop = full[len(full) // 2 : len(full) // 2 + 4]  # spans token boundaries
@@ -166,13 +167,13 @@ def test_stop_strings_end_an_answer_and_are_not_shown() -> None:
         texts.append(event.text)
         reasons.append(event.finish_reason)
 
-    engine.submit(prompt, SamplingParams(max_tokens=12, temperature=2.0, seed=3, stop=(stop,)), on_event)
-    while engine.running or engine.waiting:
+    engine.submit(prompt, GenerationOptions(max_new_tokens=12, temperature=2.0, seed=3, stop=(stop,)), on_event)
+    while not engine.idle:
         engine.step()
     assert "".join(texts) == shown and reasons[-1] == "stop"
 
 
-def _shown(engine: Engine, prompt: list[int], p: SamplingParams) -> tuple[str, str | None]:
+def _shown(engine: Engine, prompt: list[int], p: GenerationOptions) -> tuple[str, str | None]:
     """Run one request alone to its end: the text it showed and its finish reason."""
     texts: list[str] = []
     reasons: list[str | None] = []
@@ -182,7 +183,7 @@ def _shown(engine: Engine, prompt: list[int], p: SamplingParams) -> tuple[str, s
         reasons.append(event.finish_reason)
 
     engine.submit(prompt, p, on_event)
-    while engine.running or engine.waiting:
+    while not engine.idle:
         engine.step()
     return "".join(texts), reasons[-1]
 
@@ -191,24 +192,24 @@ def _shown(engine: Engine, prompt: list[int], p: SamplingParams) -> tuple[str, s
 def test_several_stop_strings_cut_at_the_earliest_match_whatever_their_order(reverse: bool) -> None:
     """Bug: the first stop in list order that matched won, so ["<b>", "><b"] showed "<a>" and the reverse "<a"."""
     model = _model()
-    prompt, p = [3, 4, 5], SamplingParams(max_tokens=12, temperature=5.0, seed=3)  # the tiny model's tokens vary
+    prompt, p = [3, 4, 5], GenerationOptions(max_new_tokens=12, temperature=5.0, seed=3)  # the tiny model's tokens vary
     first, second, third = _alone(model, prompt, p)[:3]
     spans = f"><{third}"  # starts in the second token's text (held back) and ends in the third's
     whole = f"<{third}>"  # the third token's text: both stops are complete at the same step
     shown = f"<{first}><{second}"
     assert _decode(_alone(model, prompt, p)).find(spans) == len(shown)  # neither stop matches earlier
     stops = (whole, spans)[::-1] if reverse else (whole, spans)
-    assert _shown(_engine(model), prompt, SamplingParams(max_tokens=12, temperature=5.0, seed=3,
+    assert _shown(_engine(model), prompt, GenerationOptions(max_new_tokens=12, temperature=5.0, seed=3,
                                                          stop=stops)) == (shown, "stop")
 
 
-@pytest.mark.parametrize(("prompt", "max_tokens", "message"), [
+@pytest.mark.parametrize(("prompt", "max_new_tokens", "message"), [
     ([], 4, "the prompt is empty"),
-    (list(range(1, 30)) * 4, 20, "more than the context window of 128"),
+    (list(range(1, 30)) * 4, 20, "exceeds the model.s context length \\(128 positions\\)"),
 ])
-def test_requests_that_can_never_fit_are_refused_at_once(prompt: list[int], max_tokens: int, message: str) -> None:
+def test_requests_that_can_never_fit_are_refused_at_once(prompt: list[int], max_new_tokens: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _engine(_model()).submit(prompt, SamplingParams(max_tokens=max_tokens), lambda e: None)
+        _engine(_model()).submit(prompt, GenerationOptions(max_new_tokens=max_new_tokens), lambda e: None)
 
 
 def test_a_full_queue_is_refused() -> None:
@@ -216,9 +217,9 @@ def test_a_full_queue_is_refused() -> None:
 
     engine = _engine(_model(), max_waiting=2)
     for _ in range(2):
-        engine.submit([1, 2], SamplingParams(max_tokens=2), lambda e: None)
+        engine.submit([1, 2], GenerationOptions(max_new_tokens=2), lambda e: None)
     with pytest.raises(QueueFullError):
-        engine.submit([1, 2], SamplingParams(max_tokens=2), lambda e: None)
+        engine.submit([1, 2], GenerationOptions(max_new_tokens=2), lambda e: None)
 
 
 def test_shared_and_reused_blocks_give_the_full_forwards_logits_float64() -> None:
@@ -269,11 +270,11 @@ def test_a_dead_engine_fails_requests_fast_and_health_says_so() -> None:
     model.step = broken  # type: ignore[method-assign]
     events: list[Event] = []
     engine.start()
-    engine.submit([1, 2, 3], SamplingParams(max_tokens=4), events.append)
+    engine.submit([1, 2, 3], GenerationOptions(max_new_tokens=4), events.append)
     engine._thread.join(timeout=10)  # type: ignore[union-attr]
     assert not engine.alive and events and events[-1].finish_reason == "error"
     with pytest.raises(EngineError, match="the engine stopped after an error"):
-        engine.submit([1, 2], SamplingParams(max_tokens=2), lambda e: None)
+        engine.submit([1, 2], GenerationOptions(max_new_tokens=2), lambda e: None)
 
 
 class Words:

@@ -230,9 +230,10 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
     """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``)."""
     import torch
 
-    from attnkit.models.generation import IncrementalDecoder, generate_steps
+    from attnkit.models.generation import generate_steps
     from attnkit.models.generation_options import GenerationStats
     from attnkit.models.sink_caches import SinkSpec
+    from attnkit.models.text import IncrementalDecoder
 
     endless = SinkSpec.parse(args.cache) is not None  # sink caches: no limit on new tokens
     room = args.max_new_tokens if endless else model.context_length - len(ids)

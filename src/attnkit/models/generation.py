@@ -52,6 +52,7 @@ from .generation_options import (
     check_prompt_mask,
 )
 from .sampling import Sampler, row_seeds
+from .text import TextStream
 
 
 def prompt_positions(mask: Tensor | None) -> Tensor | None:
@@ -98,6 +99,9 @@ def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | 
     Keywords are :class:`GenerationOptions`. Inputs are checked before the first token.
     """
     opts = GenerationOptions.of(options)
+    if opts.stop:
+        raise ValueError(f"stop={list(opts.stop)} ends text, and generate() returns token ids: stream() the text "
+                         "(or give stop_ids)")
     ids = check_input_ids(model, input_ids)
     mask = check_prompt_mask(ids, attention_mask)
     if mask is not None and opts.sink is not None:
@@ -219,56 +223,29 @@ def generate(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None =
 
 
 def stream_text(model: CausalLM, decode: Callable[[list[int]], str], input_ids: Tensor,
-                attention_mask: Tensor | None = None, **options: Any) -> Iterator[str]:
+                attention_mask: Tensor | None = None, *, stats: GenerationStats | None = None,
+                **options: Any) -> Iterator[str]:
     """Yield the new text of a single prompt (B = 1) piece by piece as tokens are produced.
 
     ``decode`` turns ids into text; a piece is held back while it ends in an
-    incomplete UTF-8 character. ``options`` are :func:`generate`'s keywords.
+    incomplete UTF-8 character or may start a stop string. ``options`` are
+    :func:`generate`'s keywords and ``stop`` (strings that end the text).
     """
     if isinstance(input_ids, Tensor) and input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(f"stream() takes one prompt (B = 1), got a batch of {input_ids.shape[0]}")
-    steps = generate_steps(model, input_ids, attention_mask, **options)
-    return _pieces(steps, decode)
+    text = TextStream(decode, GenerationOptions.of(options).stop)
+    steps = generate_steps(model, input_ids, attention_mask, stats=stats, **{**options, "stop": ()})
+    return _pieces(steps, text)
 
 
-class IncrementalDecoder:
-    """Text of a growing list of token ids, new text only, decoding a short window each time.
-
-    The window starts at the tokens of the last piece returned, so a decoder
-    that drops a leading space at the start of a text still sees what precedes
-    the new tokens; text is held back while it ends in an incomplete
-    character. Linear in the answer's length.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
-        self.ids: list[int] = []
-        self._start = self._shown = 0  # ids[start:shown] were last returned; ids[shown:] not yet
-
-    def add(self, token: int) -> str:
-        """Append one id; the text it completes ("" while a character is incomplete)."""
-        self.ids.append(token)
-        return self._take(final=False)
-
-    def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end)."""
-        return self._take(final=True)
-
-    def _take(self, *, final: bool) -> str:
-        before, after = self.decode(self.ids[self._start : self._shown]), self.decode(self.ids[self._start :])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-            return ""
-        self._start, self._shown = self._shown, len(self.ids)
-        return after[len(before) :]
-
-
-def _pieces(steps: Iterator[Tensor], decode: Callable[[list[int]], str]) -> Iterator[str]:
-    """New text per token of a single row (see :class:`IncrementalDecoder`)."""
-    text = IncrementalDecoder(decode)
+def _pieces(steps: Iterator[Tensor], text: TextStream) -> Iterator[str]:
+    """New text per token of a single row, up to a stop string (:class:`attnkit.models.text.TextStream`)."""
     for token in steps:
         piece = text.add(int(token[0]))
         if piece:
             yield piece
+        if text.stopped:
+            return
     rest = text.flush()
     if rest:
         yield rest

@@ -58,10 +58,13 @@ class GenerationOptions:
             rows generally differ alone and in a batch (:mod:`.sampling`).
         stop_ids: ids that end a row (kept in the output, then pad ids);
             None = the model's end-of-turn / end-of-text ids, [] = never stop early.
+        stop: strings that end the text (a string or a list of them); the
+            first match ends it and is not shown. Text streams honour it
+            (``stream()``, the serving engine); ``generate()`` returns ids,
+            not text, and refuses it.
         compile: run each decoding step as one compiled graph over static
-            caches (the first call compiles: 84 s for SmolLM2 on an idle
-            2-core CPU, longer on a busy one;
-            the graph serves every cache size, prompt + max_new_tokens;
+            caches (the first call compiles, about a minute for SmolLM2 on
+            a CPU: BENCHMARKS.md; the graph serves every cache size, prompt + max_new_tokens;
             another batch size, sampling setting or set of stop ids
             compiles again).
         cache: "full" (default: the model's caches, every position kept) or
@@ -85,6 +88,7 @@ class GenerationOptions:
     top_p: float | None = None
     seed: int | Sequence[int] | None = None
     stop_ids: Sequence[int] | None = None
+    stop: str | Sequence[str] = ()
     compile: bool = False
     cache: str | SinkSpec = "full"
     kv_dtype: torch.dtype | str | None = None
@@ -95,6 +99,10 @@ class GenerationOptions:
         n = self.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got max_new_tokens={n!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got stop={self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got compile={self.compile!r}")
         object.__setattr__(self, "sampler", Sampler(self.temperature, self.top_k, self.top_p))
@@ -209,6 +217,17 @@ def check_prompt_mask(input_ids: Tensor, attention_mask: object) -> Tensor | Non
     return None if bool(mask.all()) else mask
 
 
+def check_fit(prompt_len: int, max_new_tokens: int, room: int, what: str) -> None:
+    """The one "does it fit" check: a prompt of ``prompt_len`` tokens and ``max_new_tokens`` new ones must fit
+    ``room`` positions (``what`` names them: the context length, a server's KV memory)."""
+    if prompt_len > room:
+        raise ValueError(f"the prompt has {prompt_len} tokens, more than {what} ({room} positions); shorten it "
+                         "(nothing is truncated)")
+    if prompt_len + max_new_tokens > room:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens={max_new_tokens} exceeds {what} ({room} "
+                         f"positions); ask for at most {room - prompt_len} new tokens")
+
+
 def check_budget(model: CausalLM, prompt_len: int, options: GenerationOptions) -> tuple[int, ...]:
     max_new_tokens = options.max_new_tokens
     if options.sink is not None:
@@ -216,13 +235,8 @@ def check_budget(model: CausalLM, prompt_len: int, options: GenerationOptions) -
             raise ValueError(f"cache={options.cache!r} holds up to {options.sink.capacity} positions (sinks + window + "
                              f"chunk - 1), beyond the model's context length {model.context_length}: choose a "
                              "smaller window")
-    elif prompt_len > model.context_length:
-        raise ValueError(f"the prompt has {prompt_len} tokens, more than the model's context length "
-                         f"{model.context_length}; shorten it (nothing is truncated)")
-    elif prompt_len + max_new_tokens > model.context_length:
-        raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens={max_new_tokens} exceeds the model's "
-                         f"context length {model.context_length}; ask for at most "
-                         f"{model.context_length - prompt_len} new tokens")
+    else:
+        check_fit(prompt_len, max_new_tokens, model.context_length, "the model's context length")
     given = options.stop_ids
     if given is not None and (isinstance(given, (str, bytes, Tensor)) or not isinstance(given, Iterable)):
         raise ValueError(f"stop_ids must be a list of token ids (or None: the model's own), got stop_ids={given!r}")

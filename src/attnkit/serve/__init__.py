@@ -1,15 +1,20 @@
 """Serving: a paged KV cache with prefix reuse, continuous batching, and an OpenAI-compatible HTTP API.
 
-- :mod:`attnkit.serve.blocks`: which blocks each sequence holds (reference counts, prefix hashes, LRU reuse);
+- :mod:`attnkit.serve.blocks`: which blocks each request holds (reference counts, prefix hashes, LRU reuse);
 - :mod:`attnkit.serve.paged`: the blocks' tensors, read by the decoder through the cache protocol;
-- :mod:`attnkit.serve.engine`: the scheduler and the engine thread;
+- :mod:`attnkit.serve.scheduler`: which requests run in a step (admission, preemption, the prefill budget);
+- :mod:`attnkit.serve.runner`: a step's rows through the model, and each request's next token;
+- :mod:`attnkit.serve.engine`: the engine thread, events, cancellation and metrics;
 - :mod:`attnkit.serve.checks`: an OpenAI request's fields checked one by one, and OpenAI's error shape;
 - :mod:`attnkit.serve.api`: the HTTP routes (extra ``serve``: FastAPI and uvicorn) and the chat page.
+
+A request's options are :class:`attnkit.models.generation_options.GenerationOptions`, the type ``generate()`` takes.
 """
 
 from .blocks import BlockManager
-from .engine import Engine, EngineError, Event, QueueFullError, SamplingParams
+from .engine import Engine, EngineError, Event, QueueFullError
 from .paged import PagedBatch, PagedKVPool
+from .scheduler import Request
 
 __all__ = ["BlockManager", "Engine", "EngineError", "Event", "PagedBatch", "PagedKVPool", "QueueFullError",
-           "SamplingParams"]
+           "Request"]

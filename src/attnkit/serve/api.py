@@ -25,6 +25,7 @@ from importlib import resources
 from typing import Any
 
 from attnkit._optional import require
+from attnkit.models.generation_options import GenerationOptions
 
 from .checks import (
     APIError,
@@ -38,7 +39,7 @@ from .checks import (
     stops,
     too_long,
 )
-from .engine import Engine, EngineError, Event, QueueFullError, SamplingParams
+from .engine import Engine, EngineError, Event, QueueFullError
 
 try:  # FastAPI reads the routes' annotations: the request class must be importable by name
     from starlette.requests import Request
@@ -53,7 +54,7 @@ class Parsed:
     """A checked request: prompt ids, sampling options, streaming and usage flags, and the prompt's field."""
 
     prompt: list[int]
-    params: SamplingParams
+    params: GenerationOptions
     stream: bool
     include_usage: bool
     source: str  # the request field the prompt came from: "messages" or "prompt"
@@ -70,8 +71,9 @@ class Server:
 
     # -- checking a request ------------------------------------------------------------------------------------
 
-    def _params(self, body: Mapping[str, Any], prompt_len: int, source: str) -> SamplingParams:
-        """The sampling options; ``source`` is the field the prompt came from ("messages" or "prompt")."""
+    def _params(self, body: Mapping[str, Any], prompt_len: int, source: str) -> GenerationOptions:
+        """The sampling options, with OpenAI's defaults (temperature 1, max_tokens the room left); ``source`` is
+        the field the prompt came from ("messages" or "prompt")."""
         refuse_unsupported(body)
         model = body.get("model")
         if not isinstance(model, str):
@@ -94,8 +96,8 @@ class Server:
                              f"ask for at most {room}")
         temperature, top_p = sampling(body)
         seed = integer(body, "seed", -(2**63), 2**63 - 1)
-        return SamplingParams(max_tokens=min(limit or room, room), temperature=temperature, top_p=top_p,
-                              seed=None if seed is None else seed % 2**62, stop=stops(body))
+        return GenerationOptions(max_new_tokens=min(limit or room, room), temperature=temperature, top_p=top_p,
+                                 seed=None if seed is None else seed % 2**62, stop=stops(body))
 
     def _flags(self, body: Mapping[str, Any]) -> tuple[bool, bool]:
         stream = body.get("stream", False)

@@ -1,27 +1,28 @@
 """Continuous batching: requests wait, run and finish; every step is one batched pass over what runs.
 
-Each :meth:`Engine.step`
+The engine ties three parts together, each in its own file:
 
-1. drops cancelled sequences (their blocks are freed at once),
-2. admits waiting requests while there is room (batch size and KV blocks),
-   reusing cached prefixes (:class:`attnkit.serve.blocks.BlockManager`),
-3. finds each decoding sequence a slot for its next token; when the pool is
-   full, the newest running sequence is preempted (its blocks freed, its
-   tokens recomputed when it runs again),
-4. runs one forward for every decoding sequence (one token each) and one per
-   prompt chunk of a prefilling sequence (within a token budget per step),
-5. samples each sequence with its own options and seed
-   (:mod:`attnkit.models.sampling`: the same random numbers as ``generate``
-   alone, so the same tokens with float32 / float16 weights up to rounding; with
-   int8 / int4 weights a batch moves the logits by tenths and a sampled request
-   generally differs from the same request alone),
-   and ends it on a stop id, a stop string, ``max_tokens`` or the context.
+- :class:`attnkit.serve.scheduler.Scheduler`: which requests run this step
+  (admission, preemption, prefix reuse, the prefill budget);
+- :class:`attnkit.serve.runner.Runner`: the step's rows through the model
+  over the paged pool, and each request's next token;
+- this module: the thread, the events each request's callback receives,
+  cancellation and metrics.
+
+Each :meth:`Engine.step` drops cancelled requests, asks the scheduler for
+the step's rows, runs every decoding request's token in one forward and every
+prefill chunk (of several requests) in another, samples the requests whose
+known tokens are all in the pool, and ends a request on a stop id, a stop
+string, ``max_new_tokens`` or the context (:class:`attnkit.models.text.TextStream`,
+as ``stream()`` does). A request's options are :class:`GenerationOptions`,
+the type ``generate()`` takes: the same defaults (greedy), the same checks.
+Sampled tokens equal ``generate`` alone up to rounding with float32 /
+float16 weights; with int8 / int4 weights a batch moves the logits by tenths
+and a sampled request generally differs from the same request alone.
 
 The engine runs in a thread of its own (:meth:`Engine.start`); other threads
-only :meth:`submit` and :meth:`cancel`. Every event of a sequence goes to its
+only :meth:`submit` and :meth:`cancel`. Every event of a request goes to its
 ``on_event`` callback, called from the engine thread.
-
-Legend: B sequences in a forward, T tokens per row, V vocabulary.
 """
 
 from __future__ import annotations
@@ -31,18 +32,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from attnkit.models.generation import IncrementalDecoder
-from attnkit.models.generation_options import kv_storage
-from attnkit.models.sampling import Sampler, row_seeds
+from attnkit.models.generation_options import GenerationOptions, check_budget, check_fit, kv_storage
+from attnkit.models.sampling import row_seeds
+from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
-from .paged import PagedBatch, PagedKVPool
+from .paged import PagedKVPool
+from .runner import Runner
+from .scheduler import Request, Row, Scheduler
 
 
 class EngineError(RuntimeError):
@@ -53,22 +55,6 @@ class QueueFullError(EngineError):
     """Too many requests wait already: retry later."""
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's options, checked when it is submitted."""
-
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_ids: tuple[int, ...] | None = None  # None: the model's end-of-turn ids
-
-    def sampler(self) -> Sampler:
-        return Sampler(self.temperature, self.top_k, self.top_p)
-
-
 @dataclass
 class Event:
     """What a sequence produced in one step."""
@@ -77,31 +63,6 @@ class Event:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     error: str | None = None
-
-
-@dataclass(eq=False)
-class Sequence_:
-    """A request inside the engine."""
-
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    on_event: Callable[[Event], None]
-    seed: int
-    tokens: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    computed: int = 0  # positions whose keys and values are in the cache
-    generated: int = 0
-    cancelled: bool = False
-    finished: bool = False
-    text: IncrementalDecoder | None = None
-    held: str = ""  # text held back: it may be the start of a stop string
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < len(self.tokens) - 1
 
 
 def _pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) -> torch.dtype:
@@ -127,7 +88,7 @@ class Engine:
         decode: token ids -> text (the tokenizer's decode).
         kv_memory_mib: memory for keys and values of every layer.
         block_size: positions per KV block.
-        max_batch: most sequences running at once.
+        max_batch: most requests running at once.
         token_budget: most prompt tokens prefilled per step.
         max_waiting: most requests waiting; more are refused (:class:`QueueFullError`).
         kv_dtype: the dtype the pool stores keys and values in: None (the
@@ -147,59 +108,67 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"kv_memory_mib={kv_memory_mib} holds {num_blocks} blocks of {block_size} positions "
                              f"({per_block / 2**20:.2f} MiB each); give at least {2 * per_block / 2**20:.2f} MiB")
-        self.model, self.decode = model, decode
+        self.model, self.decode, self.max_waiting = model, decode, max_waiting
         self.pool = PagedKVPool(num_layers=config.num_layers, num_blocks=num_blocks, block_size=block_size,
                                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.max_batch, self.token_budget, self.max_waiting = max_batch, token_budget, max_waiting
-        self.waiting: deque[Sequence_] = deque()
-        self.running: list[Sequence_] = []
+        self.scheduler = Scheduler(self.blocks, max_batch=max_batch, token_budget=token_budget)
+        self.runner = Runner(model, self.pool)
+        self._inbox: deque[Request] = deque()  # submitted, not yet seen by the engine thread
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
         self.error: BaseException | None = None
-        self.stats = {"requests_total": 0, "generated_tokens_total": 0, "prompt_tokens_total": 0,
-                      "preemptions_total": 0}
+        self.stats = {"requests_total": 0, "generated_tokens_total": 0}
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) of recent steps
 
     @property
     def capacity(self) -> int:
-        """The most positions (prompt + answer) one sequence can hold in the KV memory."""
+        """The most positions (prompt + answer) one request can hold in the KV memory."""
         return self.blocks.num_blocks * self.blocks.block_size
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits and nothing runs."""
+        return not (self._inbox or self.scheduler.waiting or self.scheduler.running)
 
     # -- the other threads' side -------------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None]) -> Sequence_:
-        """Queue a request; raises ValueError if it can never fit, QueueFullError, or EngineError if the engine died."""
+    def submit(self, prompt: Sequence[int], options: GenerationOptions, on_event: Callable[[Event], None]) -> Request:
+        """Queue a request; raises ValueError if it can never fit, QueueFullError, or EngineError if the engine died.
+
+        ``options``: the request's sampling options and limits (``compile``, ``cache`` and ``kv_dtype`` are the
+        engine's, not a request's).
+        """
         prompt = list(prompt)
         if not prompt:
             raise ValueError("the prompt is empty")
-        room = self.model.context_length - len(prompt)
-        if room < params.max_tokens:
-            raise ValueError(f"the prompt has {len(prompt)} tokens and max_tokens={params.max_tokens}: together "
-                             f"more than the context window of {self.model.context_length} tokens")
-        if self.blocks.blocks_for(len(prompt) + params.max_tokens) > self.blocks.num_blocks:
-            raise ValueError(f"the prompt ({len(prompt)} tokens) and max_tokens={params.max_tokens} need more KV "
-                             f"memory than the server has ({self.blocks.num_blocks} blocks of "
-                             f"{self.blocks.block_size} positions)")
+        if options.compile or options.sink is not None or options.kv_dtype is not None:
+            raise ValueError("compile, cache and kv_dtype are the engine's settings (Engine(kv_dtype=...)), not a "
+                             f"request's: got compile={options.compile}, cache={options.cache!r}, "
+                             f"kv_dtype={options.kv_dtype}")
+        if min(prompt) < 0 or max(prompt) >= self.model.vocab_size:
+            raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {self.model.vocab_size})")
+        stop_ids = check_budget(self.model, len(prompt), options)
+        check_fit(len(prompt), options.max_new_tokens, self.capacity, "the server's KV memory")
         with self._lock:
             if self.error is not None:
                 raise EngineError(f"the engine stopped after an error: {self.error!r}")
-            if len(self.waiting) >= self.max_waiting:
-                raise QueueFullError(f"{len(self.waiting)} requests are waiting already")
-            seed = int(row_seeds(params.seed, 1)[0])
-            seq = Sequence_(next(self._ids), prompt, params, on_event, seed, tokens=list(prompt),
-                            text=IncrementalDecoder(self.decode))
-            self.waiting.append(seq)
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.max_waiting:
+                raise QueueFullError(f"{len(self._inbox) + len(self.scheduler.waiting)} requests are waiting already")
+            seed = int(row_seeds(options.seed, 1)[0])
+            request = Request(next(self._ids), prompt, options, on_event, seed, stop_ids,
+                              TextStream(self.decode, options.stop), tokens=list(prompt))
+            self._inbox.append(request)
             self.stats["requests_total"] += 1
             self._lock.notify()
-        return seq
+        return request
 
-    def cancel(self, seq: Sequence_) -> None:
+    def cancel(self, request: Request) -> None:
         """Stop a request (a client went away); its blocks are freed at the next step."""
         with self._lock:
-            seq.cancelled = True
+            request.cancelled = True
             self._lock.notify()
 
     def start(self) -> None:
@@ -221,7 +190,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self.waiting and not self.running:
+                while not self._stop and self.idle:
                     self._lock.wait()
                 if self._stop:
                     return
@@ -234,159 +203,68 @@ class Engine:
     def _die(self, err: BaseException) -> None:
         with self._lock:
             self.error = err
-            everyone = list(self.running) + list(self.waiting)
-            self.running, self.waiting = [], deque()
-        for seq in everyone:
-            self._emit(seq, Event("", [], "error", error=f"engine error: {err!r}"))
+            everyone = [*self.scheduler.running, *self.scheduler.waiting, *self._inbox]
+            self.scheduler.running, self.scheduler.waiting, self._inbox = [], deque(), deque()
+        for request in everyone:
+            self._emit(request, Event("", [], "error", error=f"engine error: {err!r}"))
 
     # -- one step ----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Admit, schedule, run one batched pass, sample; see the module docstring."""
-        self._drop_cancelled()
-        self._admit()
-        decoding = self._make_room([s for s in self.running if not s.prefilling])
-        prefilling, budget = [], self.token_budget
-        for seq in self.running:
-            if seq.prefilling and budget > 0:
-                chunk = min(len(seq.tokens) - seq.computed, budget)
-                prefilling.append((seq, chunk))
-                budget -= chunk
+        """Drop the cancelled, schedule, run the decoding rows and the prefill rows, sample; see the module."""
+        with self._lock:
+            self.scheduler.waiting.extend(self._inbox)
+            self._inbox.clear()
+        for request in [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.cancelled]:
+            self._finish(request, "cancelled")
         produced = 0
-        if decoding:
-            logits = self._forward(decoding, [1] * len(decoding))  # (B, V)
-            produced += self._sample(decoding, logits)
-        for seq, chunk in prefilling:
-            logits = self._forward([seq], [chunk])  # (1, V)
-            if seq.computed == len(seq.tokens):  # the whole prompt is in: its last token's logits count
-                produced += self._sample([seq], logits)
+        for rows in self.scheduler.schedule():
+            if rows:
+                produced += self._run(rows)
         self._rate.append((time.monotonic(), produced))
 
-    def _drop_cancelled(self) -> None:
-        with self._lock:
-            gone = [s for s in itertools.chain(self.running, self.waiting) if s.cancelled and not s.finished]
-            self.waiting = deque(s for s in self.waiting if not s.cancelled)
-        for seq in gone:
-            self._finish(seq, "cancelled")
+    def _run(self, rows: list[Row]) -> int:
+        """One forward over ``rows``; sample each request whose known tokens are now all in the pool."""
+        logits = self.runner.forward(rows)  # (B, V)
+        self.scheduler.written(rows)
+        ready = [b for b, row in enumerate(rows) if row.request.computed == len(row.request.tokens)]
+        if not ready:
+            return 0
+        requests = [rows[b].request for b in ready]
+        for request, token in zip(requests, self.runner.sample(requests, logits[ready]), strict=True):
+            self._accept(request, token)
+        return len(requests)
 
-    def _admit(self) -> None:
-        with self._lock:
-            while self.waiting and len(self.running) < self.max_batch:
-                seq = self.waiting[0]
-                allocation = self.blocks.allocate(seq.tokens, reserve=1)
-                if allocation is None:
-                    break
-                self.waiting.popleft()
-                seq.blocks, seq.computed = allocation.blocks, allocation.cached_tokens
-                self.running.append(seq)
-                self.stats["prompt_tokens_total"] += len(seq.tokens) - allocation.cached_tokens
-
-    def _make_room(self, decoding: list[Sequence_]) -> list[Sequence_]:
-        """A slot for each decoding sequence's next token; preempt the newest running ones while none is free."""
-        ready = []
-        for seq in sorted(decoding, key=lambda s: s.arrival):
-            while seq in self.running and not self.blocks.grow(seq.blocks, len(seq.tokens)):
-                self._preempt(max(self.running, key=lambda s: s.arrival))  # the newest (maybe seq itself)
-            if seq in self.running:
-                ready.append(seq)
-        return [s for s in ready if s in self.running]
-
-    def _preempt(self, seq: Sequence_) -> None:
-        """Free a running sequence's blocks and queue it first again (it recomputes its tokens later)."""
-        self.blocks.release(seq.blocks)
-        seq.blocks, seq.computed = [], 0
-        self.running.remove(seq)
-        with self._lock:
-            self.waiting.appendleft(seq)
-        self.stats["preemptions_total"] += 1
-
-    def _forward(self, seqs: list[Sequence_], chunks: list[int]) -> Tensor:
-        """Feed each sequence's next ``chunk`` tokens (right-padded to one width); logits (B, V) of each last."""
-        width = max(chunks)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)  # (B, T)
-        positions = torch.full((len(seqs), width), -1, dtype=torch.long)  # (B, T), -1 = padding
-        for row, (seq, chunk) in enumerate(zip(seqs, chunks, strict=True)):
-            start = seq.computed if seq.prefilling else len(seq.tokens) - 1
-            ids[row, width - chunk :] = torch.tensor(seq.tokens[start : start + chunk])
-            positions[row, width - chunk :] = torch.arange(start, start + chunk)
-            seq.computed = start + chunk
-        lengths = [s.computed for s in seqs]
-        self.pool.batch = PagedBatch.build([s.blocks for s in seqs], positions, lengths, self.blocks.block_size,
-                                           self.pool.spare)
-        try:
-            logits = self.model.step(ids, positions, self.pool.layers)  # (B, V): the last column is real
-        finally:
-            self.pool.batch = None
-        for seq in seqs:
-            self.blocks.written(seq.blocks, seq.computed, seq.tokens)
-        return logits
-
-    def _sample(self, seqs: list[Sequence_], logits: Tensor) -> int:
-        """Choose each sequence's next token (grouped by options) and hand out what it completes."""
-        chosen: dict[int, int] = {}
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(row)
-        for rows in groups.values():
-            sampler = seqs[rows[0]].params.sampler()
-            seeds = torch.tensor([seqs[r].seed for r in rows])
-            steps = torch.tensor([seqs[r].generated for r in rows])
-            for r, token in zip(rows, sampler(logits[rows], seeds, steps).tolist(), strict=True):
-                chosen[r] = token
-        for row, seq in enumerate(seqs):
-            self._accept(seq, chosen[row])
-        return len(seqs)
-
-    def _accept(self, seq: Sequence_, token: int) -> None:
-        seq.tokens.append(token)
-        seq.generated += 1
+    def _accept(self, request: Request, token: int) -> None:
+        request.tokens.append(token)
+        request.generated += 1
         self.stats["generated_tokens_total"] += 1
-        if seq.first_token_at is None:
-            seq.first_token_at = time.monotonic()
-        stops = self.model.stop_token_ids if seq.params.stop_ids is None else seq.params.stop_ids
-        if token in stops:  # the stop id itself is not text
-            self._finish(seq, "stop")
+        if request.first_token_at is None:
+            request.first_token_at = time.monotonic()
+        if token in request.stop_ids:  # the stop id itself is not text
+            self._finish(request, "stop")
             return
-        assert seq.text is not None
-        text = seq.held + seq.text.add(token)
-        seq.held = ""
-        at = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
-        if at >= 0:  # the earliest match in the text, whatever the order of the stop strings
-            self._emit(seq, Event(text[:at], [token]))
-            self._finish(seq, "stop", flush=False)  # nothing after the stop string is shown
-            return
-        keep = max((len(s) - 1 for s in seq.params.stop), default=0)  # the end may start a stop string
-        cut = len(text)
-        for n in range(min(keep, len(text)), 0, -1):
-            if any(s.startswith(text[-n:]) for s in seq.params.stop):
-                cut = len(text) - n
-                break
-        seq.held = text[cut:]
-        if seq.generated >= seq.params.max_tokens or len(seq.tokens) >= self.model.context_length:
-            self._emit(seq, Event(text[:cut], [token]))
-            self._finish(seq, "length")
-            return
-        self._emit(seq, Event(text[:cut], [token]))
+        piece = request.text.add(token)
+        self._emit(request, Event(piece, [token]))
+        if request.text.stopped:  # nothing after the stop string is shown
+            self._finish(request, "stop")
+        elif request.generated >= request.options.max_new_tokens or len(request.tokens) >= self.model.context_length:
+            self._finish(request, "length")
 
-    def _finish(self, seq: Sequence_, reason: str, *, flush: bool = True) -> None:
-        if seq.finished:
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.finished:
             return
-        seq.finished = True
-        if seq in self.running:
-            self.running.remove(seq)
-            self.blocks.release(seq.blocks)
-            seq.blocks = []
-        rest = seq.held + seq.text.flush() if flush and seq.text is not None else ""
-        self._emit(seq, Event(rest, [], reason))
+        request.finished = True
+        self.scheduler.drop(request)
+        self._emit(request, Event(request.text.flush(), [], reason))
 
     @staticmethod
-    def _emit(seq: Sequence_, event: Event) -> None:
+    def _emit(request: Request, event: Event) -> None:
         try:
-            seq.on_event(event)
+            request.on_event(event)
         except Exception:  # a client's callback never takes the engine down
-            seq.cancelled = True
+            request.cancelled = True
 
     # -- what /metrics reports ---------------------------------------------------------------------------------
 
@@ -397,8 +275,10 @@ class Engine:
         span = now - recent[0][0] if len(recent) > 1 else 0.0
         rate = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
         with self._lock:
-            return {"requests_running": len(self.running), "requests_waiting": len(self.waiting),
+            return {"requests_running": len(self.scheduler.running),
+                    "requests_waiting": len(self.scheduler.waiting) + len(self._inbox),
                     "kv_blocks": self.blocks.num_blocks, "kv_blocks_free": self.blocks.free_blocks,
                     "kv_blocks_used": self.blocks.num_blocks - self.blocks.free_blocks,
                     "prefix_cache_hit_tokens_total": self.blocks.hit_tokens, "tokens_per_second": rate,
-                    **self.stats}
+                    "prompt_tokens_total": self.scheduler.prompt_tokens,
+                    "preemptions_total": self.scheduler.preemptions, **self.stats}

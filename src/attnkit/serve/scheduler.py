@@ -1,0 +1,135 @@
+"""Which requests run in a step: admission, preemption, prefix reuse and the prefill budget.
+
+A :class:`Request` waits, runs (holding KV blocks) and finishes. Each step
+the :class:`Scheduler`
+
+1. admits waiting requests while there is room (``max_batch`` running, KV
+   blocks for the prompt), reusing cached prefixes
+   (:class:`attnkit.serve.blocks.BlockManager`);
+2. finds each decoding request a slot for its next token; when the pool is
+   full, the newest running request is preempted (its blocks freed, its
+   tokens recomputed when it runs again);
+3. hands the runner its rows: each decoding request's last token, and
+   prompt chunks of prefilling requests within ``token_budget`` tokens.
+
+No tensors and no threads here: the engine calls it from its one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnkit.models.generation_options import GenerationOptions
+from attnkit.models.text import TextStream
+
+from .blocks import BlockManager
+
+
+@dataclass(eq=False)
+class Request:
+    """One request inside the engine: its prompt, options and where its tokens are."""
+
+    id: int
+    prompt: list[int]
+    options: GenerationOptions
+    on_event: Callable[[Any], None]
+    seed: int
+    stop_ids: tuple[int, ...]
+    text: TextStream
+    tokens: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # positions whose keys and values are in the pool
+    generated: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.tokens) - 1
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a step's forward: ``length`` tokens of ``request`` from position ``request.computed``."""
+
+    request: Request
+    length: int
+
+
+class Scheduler:
+    """Admission, preemption and the prefill budget over one :class:`BlockManager`.
+
+    Args:
+        blocks: the KV blocks the running requests hold.
+        max_batch: most requests running at once.
+        token_budget: most prompt tokens prefilled per step.
+    """
+
+    def __init__(self, blocks: BlockManager, *, max_batch: int, token_budget: int) -> None:
+        self.blocks, self.max_batch, self.token_budget = blocks, max_batch, token_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = self.prompt_tokens = 0
+
+    def schedule(self) -> tuple[list[Row], list[Row]]:
+        """Admit what fits, then (decoding rows, prefill rows) for this step."""
+        self._admit()
+        decoding = [Row(r, 1) for r in self._make_room([r for r in self.running if not r.prefilling])]
+        prefill, budget = [], self.token_budget
+        for request in self.running:
+            if request.prefilling and budget > 0:
+                chunk = min(len(request.tokens) - request.computed, budget)
+                prefill.append(Row(request, chunk))
+                budget -= chunk
+        return decoding, prefill
+
+    def written(self, rows: list[Row]) -> None:
+        """The rows' tokens are in the pool: their full blocks become reusable prefixes."""
+        for row in rows:
+            request = row.request
+            request.computed += row.length
+            self.blocks.written(request.blocks, request.computed, request.tokens)
+
+    def drop(self, request: Request) -> None:
+        """Take a request out (finished or cancelled), freeing its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+            self.blocks.release(request.blocks)
+            request.blocks = []
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            allocation = self.blocks.allocate(request.tokens, reserve=1)
+            if allocation is None:
+                break
+            self.waiting.popleft()
+            request.blocks, request.computed = allocation.blocks, allocation.cached_tokens
+            self.running.append(request)
+            self.prompt_tokens += len(request.tokens) - allocation.cached_tokens
+
+    def _make_room(self, decoding: list[Request]) -> list[Request]:
+        """A slot for each decoding request's next token; preempt the newest running ones while none is free."""
+        ready = []
+        for request in sorted(decoding, key=lambda r: r.arrival):
+            while request in self.running and not self.blocks.grow(request.blocks, len(request.tokens)):
+                self._preempt(max(self.running, key=lambda r: r.arrival))  # the newest (maybe this one)
+            if request in self.running:
+                ready.append(request)
+        return [r for r in ready if r in self.running]
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and queue it first again (it recomputes its tokens later)."""
+        self.blocks.release(request.blocks)
+        request.blocks, request.computed = [], 0
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        self.preemptions += 1
