@@ -312,3 +312,23 @@ def test_health_and_requests_report_a_dead_engine_over_http() -> None:
     assert health.status_code == 503 and "the model broke" in health.json()["error"]
     again = client.post("/v1/completions", json=body)
     assert again.status_code == 503 and again.json()["error"]["code"] == "engine_error"
+
+
+def test_prompt_chunks_of_one_length_share_a_forward_and_answer_as_alone() -> None:
+    """Bug: every prefilling request ran a forward of its own; chunks of one length run together (float64)."""
+    model = _model()
+    engine = _engine(model, max_batch=8)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (7, 7, 7, 5)]
+    calls: list[tuple[int, ...]] = []
+    step = model.step
+
+    def counted(ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(tuple(ids.shape))
+        return step(ids, *args)
+
+    model.step = counted  # type: ignore[method-assign]
+    p = GenerationOptions(max_new_tokens=4)
+    got = _run(engine, prompts, [p] * len(prompts))
+    assert sorted(calls[:2]) == [(1, 5), (3, 7)]  # the first step: two forwards, not four
+    assert [tokens for tokens, _ in got] == [_alone(model, prompt, p) for prompt in prompts]

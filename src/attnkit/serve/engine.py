@@ -10,8 +10,9 @@ The engine ties three parts together, each in its own file:
   cancellation and metrics.
 
 Each :meth:`Engine.step` drops cancelled requests, asks the scheduler for
-the step's rows, runs every decoding request's token in one forward and every
-prefill chunk (of several requests) in another, samples the requests whose
+the step's rows, runs them in one forward per length (every decoding
+request's token in one, prompt chunks of one length from several requests in
+one: :func:`attnkit.serve.runner.batches`), samples the requests whose
 known tokens are all in the pool, and ends a request on a stop id, a stop
 string, ``max_new_tokens`` or the context (:class:`attnkit.models.text.TextStream`,
 as ``stream()`` does). A request's options are :class:`GenerationOptions`,
@@ -43,7 +44,7 @@ from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
 from .paged import PagedKVPool
-from .runner import Runner
+from .runner import Runner, batches
 from .scheduler import Request, Row, Scheduler
 
 
@@ -218,10 +219,8 @@ class Engine:
             self._inbox.clear()
         for request in [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.cancelled]:
             self._finish(request, "cancelled")
-        produced = 0
-        for rows in self.scheduler.schedule():
-            if rows:
-                produced += self._run(rows)
+        decoding, prefill = self.scheduler.schedule()
+        produced = sum(self._run(rows) for rows in batches(decoding + prefill))
         self._rate.append((time.monotonic(), produced))
 
     def _run(self, rows: list[Row]) -> int:

@@ -20,6 +20,17 @@ from .paged import PagedBatch, PagedKVPool
 from .scheduler import Request, Row
 
 
+def batches(rows: list[Row]) -> list[list[Row]]:
+    """The step's rows in one forward per length: every decoding request's token together, and prompt chunks
+    of one length (several requests') together. Padding a shorter chunk to a longer one's width costs the MLPs
+    a padded token as much as a real one: on a CPU that was slower than a forward more (BENCHMARKS.md, round
+    thirteen)."""
+    by_length: dict[int, list[Row]] = {}
+    for row in rows:
+        by_length.setdefault(row.length, []).append(row)
+    return list(by_length.values())
+
+
 class Runner:
     """Runs rows of requests through ``model`` (an attnkit decoder) over ``pool``."""
 
