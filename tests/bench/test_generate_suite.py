@@ -552,7 +552,6 @@ def test_the_cuda_path_end_to_end_on_the_cpu(monkeypatch: pytest.MonkeyPatch, tm
     form, timed with synchronisations, llama.cpp and the load/memory processes skipped with a row each, no
     targets but a note saying why, the GPU's name and the dtype in the env row."""
     need("gguf")
-    import attnkit.bench.command as command
     from attnkit.bench import generate, generate_contenders
     from attnkit.models import load_gguf
     from tests.models._decoder import write_tiny_llama
@@ -572,7 +571,7 @@ def test_the_cuda_path_end_to_end_on_the_cpu(monkeypatch: pytest.MonkeyPatch, tm
     syncs: list[object] = []
     monkeypatch.setattr(torch.cuda, "synchronize", syncs.append)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
-    monkeypatch.setattr(command, "check_device", lambda device: None)
+    monkeypatch.setattr(generate, "check_device", lambda device: None)
     suite = GenerateSuite.for_model("smollm2", device="cpu", dtype="bfloat16", lengths=(8,), batch=2, new_tokens=3,
                                     repeats=1, transformers=False)
     rows = run_generate_suite(suite)

@@ -107,3 +107,23 @@ def test_to_torch_batch_first_must_be_a_bool():
     """None would silently have meant sequence-first."""
     with pytest.raises(TypeError, match="batch_first must be a bool, got None"):
         MultiHeadAttention(8, 8, 2).to_torch(batch_first=None)  # type: ignore[arg-type]
+
+
+def test_to_torch_function_refuses_what_is_not_an_attnkit_layer():
+    """Bug: any module was taken and failed deep inside with an AttributeError on its projections."""
+    from attnkit.modules import to_torch
+
+    with pytest.raises(TypeError, match=r"to_torch expects an attnkit MultiHeadAttention or CrossAttention, "
+                                        r"got Linear"):
+        to_torch(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_to_torch_function_and_method_give_the_same_module():
+    """Bug: the function and the layer's method drift apart (two copies of the conversion)."""
+    from attnkit.modules import to_torch
+
+    torch.manual_seed(0)
+    for layer in (MultiHeadAttention(8, 8, 2, qkv_bias=True), CrossAttention(8, 8, 2, d_context=6)):
+        by_function, by_method = to_torch(layer, batch_first=False), layer.to_torch(batch_first=False)
+        assert by_function.batch_first is by_method.batch_first is False
+        torch.testing.assert_close(by_function.state_dict(), by_method.state_dict())

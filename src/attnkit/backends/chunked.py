@@ -94,9 +94,10 @@ class BlockPlan:
 def _block_sizes(b: int, h: int, t: int, s: int) -> tuple[int, int]:
     """(queries, keys) per block: B * H * Tb * Sb stays near _SCORE_BUDGET.
 
-    256 x 256 for B * H = 12 measured best on a 2-core CPU (larger blocks leave
-    the cache; smaller ones pay more per-operation overhead); more batch or
-    heads shrink the query block.
+    256 x 256 at B * H = 12, the block size measured best (BENCHMARKS.md,
+    "Figures moved from docstrings"): larger blocks leave the cache, smaller
+    ones pay more per-operation overhead; more batch or heads shrink the
+    query block.
     """
     block_k = min(s, _BLOCK_K)
     block_q = max(16, _SCORE_BUDGET // max(1, b * h * block_k))

@@ -11,11 +11,11 @@ What this adapter adds over calling SDPA directly:
   never sees an all-masked row and gradients stay finite;
 - a NaN in a query gives NaN in its row, as in the other backends: PyTorch's
   CPU flash kernel (taken when there is no mask) returns 0 there, so on CPU
-  the unmasked path checks q for NaN (one read of q: measured 0.4% of a
-  T = S = 1024 call and 7 µs of a 90 µs decoding call) and fills the rows;
+  the unmasked path checks q for NaN (one read of q; its cost: BENCHMARKS.md,
+  "Figures moved from docstrings") and fills the rows;
 - grouped-query heads: one decoding query per head is folded into the
-  key/value heads (no copy); longer queries expand the key/value heads, which
-  measured faster than ``enable_gqa`` on CPU;
+  key/value heads (no copy); longer queries expand the key/value heads, faster
+  than ``enable_gqa`` on CPU (BENCHMARKS.md);
 - modifiers: a mask modifier and an additive score modifier (one with a
   ``bias``, such as ``alibi``) become one dense float mask, when (T, S) is at
   most :data:`DENSE_BAND_LIMIT`; other score modifiers are refused;

@@ -5,16 +5,18 @@
     python -m attnkit.bench      # the same command
 
 Results go to ``bench-out/``: ``results.json``, ``summary.md``, ``time.png``
-and ``memory.png``. :mod:`.command` runs a suite, :mod:`.cases` names the
-suites' cases, :mod:`.contenders` builds what they time, :mod:`.runner` times
-them and :mod:`.report` shows the results.
+and ``memory.png``. :mod:`.command` runs a suite, :mod:`.options` holds its
+options, :mod:`.cases` names the suites' cases, :mod:`.contenders` builds
+what they time, :mod:`.runner` times them and :mod:`.report` shows the
+results.
 """
 
 from __future__ import annotations
 
 from .cases import SUITES, Case, grid
-from .command import ROW_SUITES, Options, run
+from .command import ROW_SUITES, run
 from .contenders import CONTENDERS, Contender
+from .options import Options
 from .runner import Result, environment, matmul_gflops, run_case
 
 __all__ = ["CONTENDERS", "ROW_SUITES", "SUITES", "Case", "Contender", "Options", "Result", "environment", "grid",

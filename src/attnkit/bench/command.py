@@ -21,58 +21,25 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from attnkit._optional import MissingDependencyError, require
 
 from . import cases as bench_cases
+from . import report, runner
 from .contenders import CONTENDERS
+from .options import DTYPES, Options, add_suite_options, check_device
 
 Row = dict[str, Any]
-DTYPES = ("float32", "float16", "bfloat16", "float64")
 DESCRIPTION = ("Run benchmark cases: median of --repeats runs after --warmup, min and max, peak extra memory "
                "(each case in a fresh process), GFLOP/s and its share of this machine's measured matmul rate, "
                "and ratios to a baseline. Writes results.json, summary.md and plots to --out.")
 
 
-@dataclass(frozen=True)
-class Options:
-    """The options of ``attnkit bench``, named as its flags (``--seq-lens`` is ``seq_lens``)."""
-
-    suite: str = "full"
-    contenders: list[str] | None = None
-    modes: list[str] | None = None
-    batch: list[int] | None = None
-    seq_lens: list[int] | None = None
-    repeats: int = 5
-    warmup: int = 1
-    no_memory: bool = False
-    baseline: str = "attnkit"
-    max_memory_gib: float = 8.0
-    device: str = "cpu"
-    dtype: str = "float32"
-    out: str = "bench-out"
-    forms: list[str] | None = None
-    compiled: list[str] | None = None
-    kv_int8: list[str] | None = None
-    new_tokens: int = 128
-    threads: int = 2
-    no_transformers: bool = False
-    no_llamacpp: bool = False
-    llamacpp_fa: str = "both"
-    model: str = "smollm2"
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace) -> Options:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
 # Suites that time themselves: name -> function(options) -> rows. To add one, add an entry,
-# importing its module inside the function (it is loaded only when run), e.g.
+# importing its module inside the function (it is loaded only when run, which keeps `attnkit`'s
+# start-up light: the CLI builds this command's parser on every call), e.g.
 #     def _generate(options: Options) -> list[Row]:
 #         from .generate import GenerateSuite, run_generate_suite
 #         return run_generate_suite(GenerateSuite(repeats=options.repeats))
@@ -139,19 +106,6 @@ def suite_names() -> list[str]:
     return [*bench_cases.SUITES, "custom", *ROW_SUITES]
 
 
-def _csv(kind: type) -> Callable[[str], list[Any]]:
-    def parse(text: str) -> list[Any]:
-        try:
-            items = [kind(item.strip()) for item in text.split(",") if item.strip()]
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}: {text!r}") from err
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
-        return items
-
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``attnkit bench``, added to ``p``."""
     p.add_argument("--quick", dest="suite", action="store_const", const="quick",
@@ -159,60 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", choices=suite_names(), default="full",
                    help="full (default), quick, targets (the cases the targets are judged on), padding (causal "
                    "+ key padding beside causal alone), custom (a grid of the lists below), or a row suite")
-    p.add_argument("--contenders", type=_csv(str), help="comma-separated contenders (filter, or grid for custom)")
-    p.add_argument("--modes", type=_csv(str), help="inference, training, decode")
-    p.add_argument("--batch", type=_csv(int), help="batch sizes, e.g. 1,8 (generate: 1 = the batch-1 cases, "
-                   "another size = the batched case's prompts; default 1,8)")
-    p.add_argument("--seq-lens", "--lengths", type=_csv(int),
-                   help="sequence lengths (context lengths for decode; generate: batch-1 prompt lengths, "
-                   "default 16,4000,7900; gemma3: 16,2000; mods: L or L,S, its long and short lengths, "
-                   "default 8192,2048)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per case (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses "
-                   "(generate: the load-time and memory processes)")
-    p.add_argument("--baseline", default="attnkit", help="layer contender the ratios divide by (default attnkit)")
-    p.add_argument("--max-memory-gib", type=float, default=8.0,
-                   help="skip cases whose (T, T) scores would need more (default 8)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="float32 (default); generate: float32 on the CPU, the activation dtype with --device cuda")
-    p.add_argument("--out", default="bench-out", help="folder for results.json, summary.md and plots")
-    generate = p.add_argument_group("the generate suite")
-    generate.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2",
-                          help="the model: smollm2 (default; every case) or gemma3 (batch 1 at 16 and 2000 tokens, "
-                          "attnkit float32 and its fastest accurate form, transformers, llama.cpp)")
-    generate.add_argument("--forms", type=_csv(str), help="attnkit weight forms, e.g. float32,int4 "
-                          "(default: every form this CPU runs; --device cuda: float32 only, the plain weights in "
-                          "--dtype)")
-    generate.add_argument("--compiled", type=_csv(str), help="weight forms to run also with the compiled "
-                          "decoding step (generate(compile=True)), e.g. int4; compiled in the warm-up rounds")
-    generate.add_argument("--kv-int8", type=_csv(str), help="weight forms to run also over the int8 KV cache "
-                          "(generate(kv_dtype='int8')), e.g. int4; CPU only")
-    generate.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    generate.add_argument("--threads", type=int, default=2, help="threads of every contender (default 2)")
-    generate.add_argument("--no-transformers", action="store_true", help="leave transformers out")
-    generate.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out")
-    generate.add_argument("--llamacpp-fa", choices=["off", "on", "both"], default="both",
-                          help="llama.cpp's flash attention: off (llama-cpp-python's default), on, or both as two "
-                          "contenders (default)")
+    add_suite_options(p)
     p.set_defaults(suite="full")  # --quick and --suite share one destination
-
-
-def check_device(device: str) -> None:
-    """Raise a one-line ValueError unless torch can put a tensor on ``device``."""
-    try:
-        where = torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"--device {device!r} is not a device torch knows ({err})") from err
-    if where.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this torch {torch.__version__} sees no CUDA device "
-                         "(torch.cuda.is_available() is False); use --device cpu")
-    try:
-        torch.empty(0, device=where)
-    except (RuntimeError, AssertionError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"--device {device} cannot be used: {first}") from err
 
 
 def check_options(options: Options) -> None:
@@ -262,8 +164,6 @@ def _console() -> Any:
 
 def _time_cases(cases: Sequence[bench_cases.Case], options: Options, console: Any) -> tuple[list[Row], list[float]]:
     """Every case timed group by group, with a progress bar; the rows and the matmul rate before each group."""
-    from . import runner
-
     rich_progress = require("rich.progress", "attnkit bench")
     rates = []  # the matmul rate, sampled before each group: a shared machine's speed drifts
     results = []
@@ -282,8 +182,6 @@ def _time_cases(cases: Sequence[bench_cases.Case], options: Options, console: An
 
 def run(options: Options, console: Any = None) -> list[Path]:
     """Run ``options.suite``, print its report and write it to ``options.out``; returns the files written."""
-    from . import report, runner
-
     check_options(options)
     cases = [] if options.suite in ROW_SUITES else select_cases(options)  # filters checked before any work
     console = _console() if console is None else console
@@ -313,8 +211,6 @@ def run(options: Options, console: Any = None) -> list[Path]:
 def _report_cases(rows: list[Row], matmul: float, env: dict[str, Any], options: Options, console: Any,
                   out: Path) -> list[Path]:
     """Ratios and targets of timed cases: printed, and written as JSON, markdown and plots."""
-    from . import report
-
     plain = require("rich.text", "attnkit bench").Text
     rows = report.with_ratios(rows, options.baseline)
     found = report.targets(rows, matmul)  # the best rate seen: "% of matmul" is then a conservative share

@@ -53,6 +53,7 @@ Legend: B batch, T prompt tokens.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -81,6 +82,7 @@ from .generate_contenders import (
     prompt_ids,
 )
 from .generate_report import format_rows, gemma3_targets, generate_targets, plot
+from .options import Options, add_suite_options, check_device
 from .runner import cpu_record, torch_threads
 
 __all__ = ["MODELS", "BenchModel", "GenerateSuite", "format_rows", "gemma3_targets", "generate_targets", "plot",
@@ -216,8 +218,8 @@ class GenerateSuite:
         return cls(model=model, **{**defaults, **fields})
 
     @classmethod
-    def from_options(cls, options: Any) -> GenerateSuite:
-        """The suite ``attnkit bench --suite generate`` asks for (``options``: :class:`.command.Options`).
+    def from_options(cls, options: Options) -> GenerateSuite:
+        """The suite ``attnkit bench --suite generate`` asks for.
 
         ``--model`` picks the model (default smollm2). ``--batch`` picks the cases: 1 = the batch-1 cases (at
         ``--lengths``), another size = the batched case with that many prompts (default 1,8; Gemma 3: 1).
@@ -267,7 +269,7 @@ class GenerateSuite:
         return [*self.attnkit_names(), *hf] + ([FLASH_ATTN[fa] for fa in self.llamacpp] if llamacpp_installed else [])
 
 
-def _check_generate_options(options: Any) -> None:
+def _check_generate_options(options: Options) -> None:
     """Options of ``attnkit bench`` that the generate suite does not read, refused rather than ignored."""
     if options.warmup != 1:
         raise ValueError(f"the generate suite warms each contender up on each case itself (one untimed round); "
@@ -417,8 +419,6 @@ def run_generate_suite(suite: GenerateSuite | None = None, log: Callable[[str], 
     load and memory, and the targets they decide. A CUDA device is checked first (a clear error without one)."""
     suite = suite or GenerateSuite()
     if not suite.on_cpu:
-        from .command import check_device
-
         check_device(suite.device)
     with torch_threads(suite.threads):
         return _run(suite, log or (lambda _: None))
@@ -499,12 +499,9 @@ def _targets(suite: GenerateSuite, rows: list[Row]) -> list[Row]:
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m attnkit.bench.generate``: the suite as plain text, with ``attnkit bench``'s options
     (``--lengths``, ``--forms``, ``--no-llamacpp``, ...; ``attnkit bench --suite generate`` also writes files)."""
-    import argparse
-
-    from .command import Options, add_arguments
-
     parser = argparse.ArgumentParser(description="The generate benchmark suite (SmolLM2-135M or Gemma 3 270M).")
-    add_arguments(parser)
+    add_suite_options(parser)
+    parser.set_defaults(suite="generate")
     suite = GenerateSuite.from_options(Options.from_namespace(parser.parse_args(argv)))
     print(format_rows(run_generate_suite(suite, log=print)))
 

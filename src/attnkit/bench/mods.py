@@ -125,7 +125,7 @@ class ModsSuite:
 
     @classmethod
     def from_options(cls, options: Any) -> ModsSuite:
-        """The suite ``attnkit bench --suite mods`` asks for (``options``: :class:`.command.Options`).
+        """The suite ``attnkit bench --suite mods`` asks for (``options``: :class:`.options.Options`).
 
         ``--seq-lens L`` or ``L,S`` sets the long and short lengths; the shapes are otherwise fixed.
         """

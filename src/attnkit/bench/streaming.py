@@ -81,7 +81,7 @@ class StreamingSuite:
 
     @classmethod
     def from_options(cls, options: Any) -> StreamingSuite:
-        """The suite ``attnkit bench --suite streaming`` asks for (``options``: :class:`.command.Options`).
+        """The suite ``attnkit bench --suite streaming`` asks for (``options``: :class:`.options.Options`).
 
         ``--new-tokens`` sets the tokens generated (left at the bench's default of 128, the suite's 20,000);
         ``--seq-lens W`` the sink cache's window (default 1020); ``--threads`` the threads.
@@ -211,7 +211,7 @@ def _env_row(suite: StreamingSuite, model: Any, full_tokens: int) -> Row:
 def run_streaming_suite(options: Any, log: Callable[[str], None] | None = None) -> list[Row]:
     """The suite's rows: env, memory samples, generate, perplexity and target rows.
 
-    ``options``: :class:`.command.Options` (as every row suite of ``attnkit bench``) or a :class:`StreamingSuite`.
+    ``options``: :class:`.options.Options` (as every row suite of ``attnkit bench``) or a :class:`StreamingSuite`.
     """
     from attnkit.models import load_smollm2
 

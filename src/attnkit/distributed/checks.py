@@ -1,11 +1,11 @@
 """Checks that every rank agrees before a ring starts, with the same error on every rank.
 
 A rank whose arguments are wrong does not raise alone (its peers would wait
-for it until the process group times out): it describes the problem, every
-rank takes part in one small all-gather of these descriptions, and then every
-rank raises the same ValueError naming the rank and what differs. What one
-rank's arguments must be is checked by the backends' own validators
-(:mod:`attnkit.backends.call`), turned into these descriptions.
+for it until the process group times out): it describes the problem here, and
+:func:`attnkit.distributed.group.check_agreement` gathers every rank's
+description so that every rank raises the same ValueError naming the rank and
+what differs. What one rank's arguments must be is checked by the backends'
+own validators (:mod:`attnkit.backends.call`), turned into these descriptions.
 
 Modifiers are checked here too, at the whole sequence's T = n * P global
 positions: their signatures, whether they fit the call (head counts, document
@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from attnkit.backends.blockmods import block_mods, captured_tensors
@@ -42,9 +41,8 @@ from attnkit.backends.modifiers import (
 )
 from attnkit.functional.modifiers import ScoreMod, modifier_name
 
+from .group import Meta
 from .layout import LAYOUTS, num_chunks
-
-Meta = dict[str, Any]
 
 
 def _problem(check: Callable[..., object], *args: object, **kwargs: object) -> str | None:
@@ -136,24 +134,3 @@ def describe(q: object, k: object, v: object, *, causal: object, key_mask: objec
         "score_mod": _name(score_mod), "mask_mod": _name(mask_mod), "sinks given": sinks is not None,
         "gradients needed": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *learned)),
     }
-
-
-def check_agreement(described: tuple[str | None, Meta], *, rank: int, world: int,
-                    group: dist.ProcessGroup | None, what: str = "ring_attention") -> Meta:
-    """One all-gather of every rank's description; the same ValueError on every rank if any is off."""
-    if world == 1:
-        gathered: list[Any] = [described]
-    else:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, described, group=group)
-    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(gathered) if p is not None]
-    if problems:
-        raise ValueError(f"{what}: invalid arguments on " + "; ".join(problems))
-    first = gathered[0][1]
-    for key, value in first.items():
-        for r, (_, meta) in enumerate(gathered[1:], start=1):
-            if meta[key] != value:
-                raise ValueError(f"{what}: ranks disagree on {key}: rank 0 has {value!r}, rank {r} has "
-                                 f"{meta[key]!r} (every rank must pass the same shapes and options, with T / P "
-                                 "positions each)")
-    return first

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .group import check_agreement, rank_and_world
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -23,14 +25,6 @@ def check_layout(layout: object) -> str:
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got layout={layout!r}")
     return layout
-
-
-def rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(this rank in ``group``, the group's size); a clear error when there is no process group."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("attnkit.distributed needs a process group: call "
-                         "torch.distributed.init_process_group(...) first (torchrun sets up its environment)")
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def num_chunks(world: int, layout: str) -> int:
@@ -89,8 +83,6 @@ def shard(x: Tensor, dim: int, *, layout: str = "zigzag", group: dist.ProcessGro
 def unshard(x_local: Tensor, dim: int, *, layout: str = "zigzag", group: dist.ProcessGroup | None = None
             ) -> Tensor:
     """The whole tensor from every rank's part (an all-gather; not differentiable): (..., n, ...) -> (..., T, ...)."""
-    from .checks import check_agreement  # checks imports this module
-
     rank, world = rank_and_world(group)
     x_local, dim = _check_tensor_dim(x_local, dim, "unshard")
     chunks = num_chunks(world, layout)

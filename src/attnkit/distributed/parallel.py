@@ -13,8 +13,8 @@ from torch import Tensor
 from attnkit.backends.kernel import KernelRequest
 from attnkit.functional.modifiers import MaskMod, ScoreMod
 
-from .checks import check_agreement
-from .layout import check_layout, num_chunks, rank_and_world, shard, shard_positions, unshard
+from .group import check_agreement, rank_and_world
+from .layout import check_layout, num_chunks, shard, shard_positions, unshard
 from .ring import ring_attention
 
 

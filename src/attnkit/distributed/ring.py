@@ -55,8 +55,9 @@ from attnkit.functional import Visibility, and_masks, block_visibility, key_padd
 from attnkit.functional import causal as causal_band
 from attnkit.functional.modifiers import MaskMod, ScoreMod
 
-from .checks import captured_by, check_agreement, describe
-from .layout import chunk_positions, rank_and_world
+from .checks import captured_by, describe
+from .group import check_agreement, rank_and_world
+from .layout import chunk_positions
 from .timing import COMPUTE_EVENT, WAIT_EVENT, timed
 
 _PIECES = 8  # pieces per shard: two in flight are n / 4 positions at any P

@@ -216,11 +216,10 @@ class Softcap(ScoreModifier):
     def modify_(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if isinstance(self.cap, Tensor):
             return self(score, b, h, q_idx, kv_idx)
-        # tanh(x) = 2 sigmoid(2x) - 1: PyTorch's CPU sigmoid measured 6x faster than its tanh (float32, AVX512;
-        # with tanh in place a causal T=2048 softcap call takes 1.52x plain causal's time, with sigmoid 1.20x:
-        # docs/bench/round11-softcap). The
-        # price: an absolute error of about cap * eps near 0 (1e-4 at cap 1000, 1e-5 at 50), where the call is
-        # relative; the backward recomputes through the call, off from this forward by as much.
+        # tanh(x) = 2 sigmoid(2x) - 1: PyTorch's CPU sigmoid is much faster than its tanh, and so is a
+        # softcap call this way (BENCHMARKS.md, "The in-place softcap"). The price: an absolute error of
+        # about cap * eps near 0 (1e-4 at cap 1000, 1e-5 at 50), where the call is relative; the backward
+        # recomputes through the call, off from this forward by as much.
         return score.mul_(2 / self.cap).sigmoid_().mul_(2 * self.cap).sub_(self.cap)
 
     def tensors(self) -> tuple[Tensor, ...]:

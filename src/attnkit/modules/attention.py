@@ -21,6 +21,7 @@ from attnkit.functional.modifiers import MaskMod, ScoreMod, and_masks, modifier_
 from attnkit.functional.rope import apply_rotary
 
 from .context import StepContext
+from .cross import check_torch_form, torch_multihead
 from .heads import AttentionHeads, Heads, Modifiers, factory_kwargs
 from .kv_cache import Cache, CachedKeys, PackedKeys, check_cache, check_positions, transaction
 
@@ -434,10 +435,12 @@ class MultiHeadAttention(AttentionHeads):
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """The same layer as a ``torch.nn.MultiheadAttention`` (see :func:`attnkit.modules.convert.to_torch`)."""
-        from .convert import to_torch
-
-        self.check_torch_equivalent()
-        return to_torch(self, batch_first=batch_first)
+        if self.rope is not None or self.window is not None:
+            raise ValueError("torch.nn.MultiheadAttention has no rotary embedding or sliding window")
+        check_torch_form(self, batch_first)
+        e = self.d_out
+        w_q, w_kv = self.qkv_proj.weight.split([e, 2 * e])  # (3E, E) -> (E, E), (2E, E)
+        return torch_multihead(self, w_q, w_kv, self.qkv_proj.bias, kdim=None, batch_first=batch_first)
 
 
 def _check_layer_sinks(sinks: object, num_heads: int) -> Tensor:

@@ -14,29 +14,24 @@ from torch import nn
 from attnkit import textbook
 
 from .attention import MultiHeadAttention
-from .cross import CrossAttention
-
-
-def _copy_(target: torch.Tensor, source: torch.Tensor | None) -> None:
-    with torch.no_grad():
-        target.copy_(source if source is not None else torch.zeros_like(target))
+from .cross import CrossAttention, copy_weight_
 
 
 def _copy_in_proj(layer: MultiHeadAttention | CrossAttention, m: nn.MultiheadAttention) -> None:
     """torch's input projections -> attnkit's (fused qkv_proj, or q_proj and kv_proj)."""
     e, bias = m.embed_dim, m.in_proj_bias
     if isinstance(layer, MultiHeadAttention):
-        _copy_(layer.qkv_proj.weight, m.in_proj_weight)  # (3E, E): rows q, k, v, as in attnkit
+        copy_weight_(layer.qkv_proj.weight, m.in_proj_weight)  # (3E, E): rows q, k, v, as in attnkit
         if bias is not None:
-            _copy_(layer.qkv_proj.bias, bias)
+            copy_weight_(layer.qkv_proj.bias, bias)
         return
     fused = m._qkv_same_embed_dim
     w_q, w_k, w_v = m.in_proj_weight.chunk(3) if fused else (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)
-    _copy_(layer.q_proj.weight, w_q)
-    _copy_(layer.kv_proj.weight, torch.cat([w_k, w_v]))  # (2E, kdim)
+    copy_weight_(layer.q_proj.weight, w_q)
+    copy_weight_(layer.kv_proj.weight, torch.cat([w_k, w_v]))  # (2E, kdim)
     if bias is not None:
-        _copy_(layer.q_proj.bias, bias[:e])
-        _copy_(layer.kv_proj.bias, bias[e:])
+        copy_weight_(layer.q_proj.bias, bias[:e])
+        copy_weight_(layer.kv_proj.bias, bias[e:])
 
 
 def from_torch(m: nn.MultiheadAttention, *, causal: bool = False, backend: str = "auto",
@@ -77,21 +72,10 @@ def from_torch(m: nn.MultiheadAttention, *, causal: bool = False, backend: str =
         layer = MultiHeadAttention(e, e, m.num_heads, causal=causal, **options)
     layer.train(m.training)
     _copy_in_proj(layer, m)
-    _copy_(layer.out_proj.weight, weight)
+    copy_weight_(layer.out_proj.weight, weight)
     if m.out_proj.bias is not None:
-        _copy_(layer.out_proj.bias, m.out_proj.bias)
+        copy_weight_(layer.out_proj.bias, m.out_proj.bias)
     return layer
-
-
-def _check_torch_equivalent(layer: MultiHeadAttention | CrossAttention) -> None:
-    if layer.num_kv_heads != layer.num_heads:
-        raise ValueError(f"torch.nn.MultiheadAttention has no grouped-query heads "
-                         f"(num_kv_heads={layer.num_kv_heads} != num_heads={layer.num_heads})")
-    if isinstance(layer, MultiHeadAttention) and (layer.rope is not None or layer.window is not None):
-        raise ValueError("torch.nn.MultiheadAttention has no rotary embedding or sliding window")
-    if layer.d_in != layer.d_out:
-        raise ValueError(f"torch.nn.MultiheadAttention needs d_in == d_out, got {layer.d_in} and {layer.d_out}")
-    layer.check_torch_equivalent()  # heads of their own size, a scale of its own, a q/k norm
 
 
 def to_torch(layer: MultiHeadAttention | CrossAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
@@ -102,36 +86,12 @@ def to_torch(layer: MultiHeadAttention | CrossAttention, *, batch_first: bool = 
     module is not causal by itself: call it with ``is_causal=True`` and a
     causal ``attn_mask`` (True = blocked) where the attnkit layer was causal.
     Grouped-query heads, rotary embedding, a sliding window and
-    d_in != d_out have no equivalent there and raise.
+    d_in != d_out have no equivalent there and raise. The same as
+    ``layer.to_torch(batch_first=...)``.
     """
-    _check_torch_equivalent(layer)
-    if not isinstance(batch_first, bool):
-        raise TypeError(f"batch_first must be a bool, got {batch_first!r}")
-    weight, e = layer.out_proj.weight, layer.d_out
-    projections: list[nn.Linear]
-    if isinstance(layer, CrossAttention):
-        projections, kdim = [layer.q_proj, layer.kv_proj], layer.d_context
-        w_q, w_kv = layer.q_proj.weight, layer.kv_proj.weight  # (E, E), (2E, kdim)
-    else:
-        projections, kdim = [layer.qkv_proj], None
-        w_q, w_kv = layer.qkv_proj.weight.split([e, 2 * e])  # (3E, E) -> (E, E), (2E, E)
-    has_bias = layer.out_proj.bias is not None or projections[0].bias is not None
-    m = nn.MultiheadAttention(e, layer.num_heads, dropout=layer.dropout, bias=has_bias, batch_first=batch_first,
-                              kdim=kdim, vdim=kdim, device=weight.device, dtype=weight.dtype)
-    m.train(layer.training)
-    if m._qkv_same_embed_dim:  # torch fuses in_proj_weight when kdim = vdim = embed_dim
-        _copy_(m.in_proj_weight, torch.cat([w_q, w_kv]))  # (3E, E): rows q, k, v
-    else:
-        _copy_(m.q_proj_weight, w_q)
-        _copy_(m.k_proj_weight, w_kv[:e])
-        _copy_(m.v_proj_weight, w_kv[e:])
-    if has_bias:
-        biases = [p.bias for p in projections if p.bias is not None]
-        in_bias = torch.cat(tuple(biases)) if len(biases) == len(projections) else None
-        _copy_(m.in_proj_bias, in_bias)
-        _copy_(m.out_proj.bias, layer.out_proj.bias)
-    _copy_(m.out_proj.weight, weight)
-    return m
+    if not isinstance(layer, (MultiHeadAttention, CrossAttention)):
+        raise TypeError(f"to_torch expects an attnkit MultiHeadAttention or CrossAttention, got {type(layer).__name__}")
+    return layer.to_torch(batch_first=batch_first)
 
 
 def _heads_to_layer(heads: list[textbook.CausalAttention]) -> MultiHeadAttention:
@@ -142,12 +102,12 @@ def _heads_to_layer(heads: list[textbook.CausalAttention]) -> MultiHeadAttention
                                qkv_bias=first.W_query.bias is not None)
     layer.to(device=first.W_query.weight.device, dtype=first.W_query.weight.dtype)
     parts = [torch.cat([getattr(h, name).weight for h in heads]) for name in ("W_query", "W_key", "W_value")]
-    _copy_(layer.qkv_proj.weight, torch.cat(parts))  # 3 x (H*D, d_in) -> (3*H*D, d_in)
+    copy_weight_(layer.qkv_proj.weight, torch.cat(parts))  # 3 x (H*D, d_in) -> (3*H*D, d_in)
     if layer.qkv_proj.bias is not None:
         parts = [torch.cat([getattr(h, name).bias for h in heads]) for name in ("W_query", "W_key", "W_value")]
-        _copy_(layer.qkv_proj.bias, torch.cat(parts))
-    _copy_(layer.out_proj.weight, torch.eye(d_out))
-    _copy_(layer.out_proj.bias, None)
+        copy_weight_(layer.qkv_proj.bias, torch.cat(parts))
+    copy_weight_(layer.out_proj.weight, torch.eye(d_out))
+    copy_weight_(layer.out_proj.bias, None)
     return layer
 
 
@@ -168,11 +128,11 @@ def from_textbook(m: nn.Module) -> MultiHeadAttention:
         layer = MultiHeadAttention(m.d_in, m.d_out, m.num_heads, causal=True, dropout=m.dropout.p,
                                    qkv_bias=m.W_query.bias is not None)
         layer.to(device=m.out_proj.weight.device, dtype=m.out_proj.weight.dtype)
-        _copy_(layer.qkv_proj.weight, torch.cat([m.W_query.weight, m.W_key.weight, m.W_value.weight]))
+        copy_weight_(layer.qkv_proj.weight, torch.cat([m.W_query.weight, m.W_key.weight, m.W_value.weight]))
         if m.W_query.bias is not None:
-            _copy_(layer.qkv_proj.bias, torch.cat([m.W_query.bias, m.W_key.bias, m.W_value.bias]))
-        _copy_(layer.out_proj.weight, m.out_proj.weight)
-        _copy_(layer.out_proj.bias, m.out_proj.bias)
+            copy_weight_(layer.qkv_proj.bias, torch.cat([m.W_query.bias, m.W_key.bias, m.W_value.bias]))
+        copy_weight_(layer.out_proj.weight, m.out_proj.weight)
+        copy_weight_(layer.out_proj.bias, m.out_proj.bias)
     else:
         raise TypeError("from_textbook expects attnkit.textbook's MultiHeadAttention, "
                         f"MultiHeadAttentionWrapper or CausalAttention, got {type(m).__name__}")

@@ -1,4 +1,8 @@
-"""Cross-attention: queries from one sequence, keys and values from another.
+"""Cross-attention: queries from one sequence, keys and values from another; the torch form of attnkit's layers.
+
+``torch.nn.MultiheadAttention`` is a cross-attention in general, so the
+builder of that form for both attnkit layers (:func:`torch_multihead`) lives
+here, below :mod:`.attention` and :mod:`.convert`, which import it.
 
 Notation (shape comments): B batch, T queries, S context positions, H query
 heads, G key/value heads, D head dim, C = H * D (= d_out unless Heads gives D).
@@ -78,7 +82,59 @@ class CrossAttention(AttentionHeads):
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """The same layer as a ``torch.nn.MultiheadAttention`` (see :func:`attnkit.modules.convert.to_torch`)."""
-        from .convert import to_torch
+        check_torch_form(self, batch_first)
+        biases = (self.q_proj.bias, self.kv_proj.bias)  # both or neither: one qkv_bias flag
+        in_bias = None if biases[0] is None or biases[1] is None else torch.cat(biases)  # (E,) + (2E,) -> (3E,)
+        return torch_multihead(self, self.q_proj.weight, self.kv_proj.weight, in_bias, kdim=self.d_context,
+                               batch_first=batch_first)  # (E, E), (2E, d_context)
 
-        self.check_torch_equivalent()
-        return to_torch(self, batch_first=batch_first)
+
+def copy_weight_(target: Tensor, source: Tensor | None) -> None:
+    """``target`` overwritten with ``source`` (zeros where None), outside autograd."""
+    with torch.no_grad():
+        target.copy_(source if source is not None else torch.zeros_like(target))
+
+
+def check_torch_form(layer: AttentionHeads, batch_first: object) -> None:
+    """A ValueError naming what ``torch.nn.MultiheadAttention`` cannot express of ``layer`` (grouped-query
+    heads, d_in != d_out, what :meth:`~attnkit.modules.heads.AttentionHeads.torch_problems` names), a
+    TypeError for a ``batch_first`` that is not a bool."""
+    if layer.num_kv_heads != layer.num_heads:
+        raise ValueError(f"torch.nn.MultiheadAttention has no grouped-query heads "
+                         f"(num_kv_heads={layer.num_kv_heads} != num_heads={layer.num_heads})")
+    if layer.d_in != layer.d_out:
+        raise ValueError(f"torch.nn.MultiheadAttention needs d_in == d_out, got {layer.d_in} and {layer.d_out}")
+    layer.check_torch_equivalent()  # heads of their own size, a scale of its own, a q/k norm, modifiers
+    if not isinstance(batch_first, bool):
+        raise TypeError(f"batch_first must be a bool, got {batch_first!r}")
+
+
+def torch_multihead(layer: AttentionHeads, w_q: Tensor, w_kv: Tensor, in_bias: Tensor | None, *,
+                    kdim: int | None, batch_first: bool) -> nn.MultiheadAttention:
+    """A ``torch.nn.MultiheadAttention`` holding ``layer``'s weights (on (T, B, E) inputs if not batch_first).
+
+    ``w_q`` (E, E) projects queries, ``w_kv`` (2E, kdim) keys then values,
+    ``in_bias`` (3E,) or None their biases; the output projection is
+    ``layer.out_proj``. torch's module is a cross-attention in general (its
+    queries, keys and values come in apart), so both attnkit layers are built
+    here: a self-attention layer passes its fused qkv_proj split in two and
+    ``kdim=None``. torch's module has one ``bias`` flag for both projections:
+    if only one of attnkit's projections has a bias, the other gets a zero
+    bias. Call :func:`check_torch_form` first.
+    """
+    weight, e = layer.out_proj.weight, layer.d_out
+    has_bias = layer.out_proj.bias is not None or in_bias is not None
+    m = nn.MultiheadAttention(e, layer.num_heads, dropout=layer.dropout, bias=has_bias, batch_first=batch_first,
+                              kdim=kdim, vdim=kdim, device=weight.device, dtype=weight.dtype)
+    m.train(layer.training)
+    if m._qkv_same_embed_dim:  # torch fuses in_proj_weight when kdim = vdim = embed_dim
+        copy_weight_(m.in_proj_weight, torch.cat([w_q, w_kv]))  # (3E, E): rows q, k, v
+    else:
+        copy_weight_(m.q_proj_weight, w_q)
+        copy_weight_(m.k_proj_weight, w_kv[:e])
+        copy_weight_(m.v_proj_weight, w_kv[e:])
+    if has_bias:
+        copy_weight_(m.in_proj_bias, in_bias)
+        copy_weight_(m.out_proj.bias, layer.out_proj.bias)
+    copy_weight_(m.out_proj.weight, weight)
+    return m

@@ -239,10 +239,10 @@ class InductionRun:
 def _run_settings(device: torch.device, threads: int) -> Iterator[None]:
     """``threads`` CPU threads, and on CUDA deterministic kernels, inside the block; the previous settings after.
 
-    One thread is the fastest for this small model: measured on a shared 2-core CPU, 200 steps took 4.6 s
-    with one thread and 65 s with two. The CPU kernels used here are deterministic for a fixed thread count,
-    so on the CPU the (slow, 7 s the first time) ``torch.use_deterministic_algorithms`` is left alone; CUDA
-    needs it, and a cuBLAS workspace setting.
+    One thread is the fastest for this small model (BENCHMARKS.md, "Figures moved from docstrings"). The
+    CPU kernels used here are deterministic for a fixed thread count, so on the CPU the slow
+    ``torch.use_deterministic_algorithms`` (seconds on its first call) is left alone; CUDA needs it, and a
+    cuBLAS workspace setting.
     """
     before = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     if device.type == "cuda":
