@@ -281,7 +281,7 @@ def test_stream_ends_at_a_stop_string_and_never_shows_it(tiny32: Any) -> None:
 def test_generate_refuses_stop_strings_it_cannot_see(tiny32: Any) -> None:
     """generate() returns ids: a stop string would be silently ignored."""
     ids = tiny32.tokenize("the")["input_ids"]
-    with pytest.raises(ValueError, match="stop=.*returns token ids"):
+    with pytest.raises(ValueError, match=r"stop=.*returns token ids"):
         tiny32.generate(ids, max_new_tokens=4, stop=["x"])
 
 

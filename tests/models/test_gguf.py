@@ -84,10 +84,12 @@ def test_bad_dtype_is_named(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
         load_gguf(tiny[0], dtype=torch.int64)
 
 
-def test_other_architecture_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "qwen.gguf"
-    write_tiny_llama(path, arch="qwen2")
-    with pytest.raises(ValueError, match="architecture 'qwen2' is not supported"):
+def test_other_architecture_is_named_with_the_registered_ones_and_what_a_registration_needs(tmp_path: Path) -> None:
+    path = tmp_path / "phi.gguf"
+    write_tiny_llama(path, arch="phi3")
+    with pytest.raises(ValueError, match=r"architecture 'phi3' is not supported \(general.architecture\); "
+                                         r"supported: llama, gemma3, qwen2, qwen3; a registration .* needs the "
+                                         r"architecture's config reader"):
         load_gguf(path)
 
 
@@ -215,3 +217,43 @@ def test_an_index_that_is_not_an_object_or_from_another_copy_is_not_used(tmp_pat
     assert index_path(path) != first
     np.testing.assert_array_equal(read_gguf(path, index=True).tensor("output_norm.weight"),
                                   weights["output_norm.weight"])
+
+
+@pytest.mark.filterwarnings("ignore:quantize.model, 'int4'.:UserWarning")  # ffn_down: int8, said in a warning
+def test_int4_reads_q4_1_blocks_as_quantizing_the_dequantised_model_does(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry's reader fills the int4 grids from the file's Q4_1 blocks (Q/K rows un-permuted like the
+    weights): the packed model equals the dequantised one quantized; layers that are not Q4_1
+    (ffn_down: 48 inputs, not blocks of 32) take another form."""
+    gguf = need("gguf")
+    import attnkit.modules.packed as packed_module
+    from attnkit.modules.quantize import quantize
+
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_q4_1(writer: Any, name: str, array: np.ndarray, **kwargs: Any) -> None:
+        if name.startswith("blk.") and array.ndim == 2 and array.shape[1] % 32 == 0:  # Q4_1: blocks of 32
+            kind = gguf.GGMLQuantizationType.Q4_1
+            return add_tensor(writer, name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        return add_tensor(writer, name, array, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf.GGUFWriter, "add_tensor", add_q4_1)
+        write_tiny_llama(tmp_path / "q4.gguf")
+    regrids: list[int] = []
+    real_grid = packed_module.int4_grid
+    monkeypatch.setattr(packed_module, "int4_grid", lambda *a, **k: regrids.append(1) or real_grid(*a, **k))
+    reference = quantize(load_gguf(tmp_path / "q4.gguf"), "int4")
+    assert len(regrids) == 6  # qkv, out and gate/up of two layers, gridded from their float32 weights
+    regrids.clear()
+    direct = load_gguf(tmp_path / "q4.gguf", weights="int4")
+    assert regrids == []  # the same layers read from their blocks (ffn_down, 48 inputs, is int8 in both)
+    ours = dict(direct.named_buffers()) | dict(direct.named_parameters())
+    theirs = dict(reference.named_buffers()) | dict(reference.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        if name != "lm_head.packed":  # fbgemm's packed float16 head is opaque; compared through the logits
+            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=name)
+    ids = torch.tensor([[5, 6, 7, 100, 200, 30]])
+    with torch.inference_mode():
+        torch.testing.assert_close(direct(ids), reference(ids), rtol=0, atol=0)

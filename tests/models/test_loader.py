@@ -17,7 +17,8 @@ need("gguf")
 need("tokenizers")
 
 from attnkit.models import LlamaConfig, LlamaModel, load_gguf  # noqa: E402
-from attnkit.models.loader import SlowDtypeWarning, llama_config, rope_scaling  # noqa: E402
+from attnkit.models.llama import llama_config, rope_scaling  # noqa: E402
+from attnkit.models.loader import SlowDtypeWarning  # noqa: E402
 
 GOOD = {"general.architecture": "llama", "llama.embedding_length": 32, "llama.attention.head_count": 4,
         "llama.attention.head_count_kv": 2, "llama.block_count": 2, "llama.feed_forward_length": 48,

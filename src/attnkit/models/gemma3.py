@@ -20,8 +20,9 @@ What differs from Llama, each in its own place:
 
 The stack, KV caches, checks and the generation loop are shared with Llama
 (:mod:`attnkit.models.decoder`, :mod:`attnkit.models.generation`), and so are
-RMSNorm (llama.cpp's converter stored Gemma's ``1 + w``) and the loader's
-tensor checks. What the file does not say is llama.cpp's: the layer pattern,
+RMSNorm (llama.cpp's converter stored Gemma's ``1 + w``) and the tensor
+checks of :mod:`attnkit.models.registry`, where this file registers
+``gemma3``. What the file does not say is llama.cpp's: the layer pattern,
 the local rotary base (unless ``gemma3.rope.freq_base_swa`` gives it), the
 query scale and the embedding scale.
 
@@ -52,10 +53,11 @@ from attnkit.modules.context import StepContext
 from attnkit.modules.heads import Heads
 from attnkit.modules.kv_cache import Cache
 
-from .decoder import DecoderModel, GatedMLP, assemble, pack, transposed_storage
+from .decoder import DecoderModel, GatedMLP
 from .generation import Tokenizer
-from .gguf import GGUFFile
-from .loader import _fuse, _number, _positive, _tensor, file_tokenizer, finish, load_gguf
+from .gguf import metadata_float, metadata_int
+from .loader import load_gguf
+from .registry import Architecture, BlockTensors, Part, register
 
 # The weight forms (attnkit.modules.quantize) that meet attnkit's accuracy bar on Gemma 3 270M, fastest first:
 # >= 97% of greedy choices and perplexity within 3% of float32's, teacher-forced on 572 tokens of prose
@@ -183,92 +185,55 @@ def gemma3_config(metadata: Mapping[str, Any], *, tie_embeddings: bool = True) -
     arch = metadata.get("general.architecture")
     if arch != "gemma3":
         raise ValueError(f"architecture {arch!r} is not Gemma 3 (general.architecture = 'gemma3')")
-    heads = _positive(metadata, "gemma3.attention.head_count")
-    kv_heads = _positive(metadata, "gemma3.attention.head_count_kv", heads)
-    key_length = _positive(metadata, "gemma3.attention.key_length")
-    value_length = _positive(metadata, "gemma3.attention.value_length", key_length)
+    heads = metadata_int(metadata, "gemma3.attention.head_count")
+    kv_heads = metadata_int(metadata, "gemma3.attention.head_count_kv", heads)
+    key_length = metadata_int(metadata, "gemma3.attention.key_length")
+    value_length = metadata_int(metadata, "gemma3.attention.value_length", key_length)
     if heads % kv_heads:
         raise ValueError(f"gemma3.attention.head_count = {heads} is not a multiple of "
                          f"gemma3.attention.head_count_kv = {kv_heads}")
     if key_length != value_length or key_length % 2:
         raise ValueError(f"gemma3.attention.key_length = {key_length} and value_length = {value_length}: one even "
                          "head size is expected (the rotary embedding turns pairs of dimensions)")
-    context = _positive(metadata, "gemma3.context_length")
-    window = _positive(metadata, "gemma3.attention.sliding_window")
+    context = metadata_int(metadata, "gemma3.context_length")
+    window = metadata_int(metadata, "gemma3.attention.sliding_window")
     if window > context:
         raise ValueError(f"gemma3.attention.sliding_window = {window} is larger than gemma3.context_length = "
                          f"{context}")
-    d, layers = _positive(metadata, "gemma3.embedding_length"), _positive(metadata, "gemma3.block_count")
+    d, layers = metadata_int(metadata, "gemma3.embedding_length"), metadata_int(metadata, "gemma3.block_count")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab = _positive(metadata, "gemma3.vocab_size", len(tokens) if tokens else None)
+    vocab = metadata_int(metadata, "gemma3.vocab_size", len(tokens) if tokens else None)
     # llama.cpp: queries scaled by 1/sqrt(head size), except the 27B (62 blocks): 1/sqrt(width / heads)
     scale = (d / heads) ** -0.5 if layers == 62 else key_length**-0.5
     return Gemma3Config(vocab_size=vocab, d_model=d, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                        head_dim=key_length, ffn_size=_positive(metadata, "gemma3.feed_forward_length"),
+                        head_dim=key_length, ffn_size=metadata_int(metadata, "gemma3.feed_forward_length"),
                         context_length=context, window=window,
-                        rope_base=_number(metadata, "gemma3.rope.freq_base", 1e6, above=1),
-                        rope_local_base=_number(metadata, "gemma3.rope.freq_base_swa", 1e4, above=1),
+                        rope_base=metadata_float(metadata, "gemma3.rope.freq_base", 1e6, above=1),
+                        rope_local_base=metadata_float(metadata, "gemma3.rope.freq_base_swa", 1e4, above=1),
                         rope_scaling=_rope_scaling(metadata), query_scale=scale,
-                        norm_eps=_number(metadata, "gemma3.attention.layer_norm_rms_epsilon", 1e-6, above=0),
+                        norm_eps=metadata_float(metadata, "gemma3.attention.layer_norm_rms_epsilon", 1e-6, above=0),
                         tie_embeddings=tie_embeddings)
 
 
-_BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-                  "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
-
-
-def _block_weights(file: GGUFFile, config: Gemma3Config, layer: int, dtype: torch.dtype) -> dict[str, Tensor]:
-    """One block's tensors under Gemma3Block's names, shapes checked; Q/K/V and gate/up fused by rows."""
+def gemma3_block(config: Gemma3Config, layer: int) -> BlockTensors:
+    """Where block ``layer``'s parameters lie in the file: Q/K/V and gate/up fused by rows, Q/K rows as stored
+    (llama.cpp keeps Gemma's half-split rows)."""
     c, i, d, h, g = config.d_model, config.ffn_size, config.head_dim, config.num_heads, config.num_kv_heads
-    n = {name: f"blk.{layer}.{name}.weight" for name in _BLOCK_TENSORS}
-
-    def take(name: str, shape: tuple[int, ...]) -> Tensor:
-        return torch.from_numpy(_tensor(file, n[name], shape)).to(dtype)
-
-    qkv = _fuse(file, [(n["attn_q"], (h * d, c), None), (n["attn_k"], (g * d, c), None),
-                       (n["attn_v"], (g * d, c), None)])  # no permutation: llama.cpp keeps Gemma's half-split rows
-    gate_up = _fuse(file, [(n["ffn_gate"], (i, c), None), (n["ffn_up"], (i, c), None)])  # (2I, C)
-    return {"attention.qkv_proj.weight": qkv.to(dtype), "attention.out_proj.weight": take("attn_output", (c, h * d)),
-            "attention.qk_norm.q_norm.weight": take("attn_q_norm", (d,)),
-            "attention.qk_norm.k_norm.weight": take("attn_k_norm", (d,)),
-            "attention_norm.weight": take("attn_norm", (c,)),
-            "post_attention_norm.weight": take("post_attention_norm", (c,)),
-            "mlp_norm.weight": take("ffn_norm", (c,)), "post_mlp_norm.weight": take("post_ffw_norm", (c,)),
-            "mlp.gate_up_proj.weight": transposed_storage(gate_up.to(dtype)),
-            "mlp.down_proj.weight": take("ffn_down", (c, i))}
+    n = f"blk.{layer}."
+    return {"attention.qkv_proj.weight": [Part(n + "attn_q.weight", (h * d, c)), Part(n + "attn_k.weight", (g * d, c)),
+                                          Part(n + "attn_v.weight", (g * d, c))],
+            "attention.out_proj.weight": [Part(n + "attn_output.weight", (c, h * d))],
+            "attention.qk_norm.q_norm.weight": [Part(n + "attn_q_norm.weight", (d,))],
+            "attention.qk_norm.k_norm.weight": [Part(n + "attn_k_norm.weight", (d,))],
+            "attention_norm.weight": [Part(n + "attn_norm.weight", (c,))],
+            "post_attention_norm.weight": [Part(n + "post_attention_norm.weight", (c,))],
+            "mlp_norm.weight": [Part(n + "ffn_norm.weight", (c,))],
+            "post_mlp_norm.weight": [Part(n + "post_ffw_norm.weight", (c,))],
+            "mlp.gate_up_proj.weight": [Part(n + "ffn_gate.weight", (i, c)), Part(n + "ffn_up.weight", (i, c))],
+            "mlp.down_proj.weight": [Part(n + "ffn_down.weight", (c, i))]}
 
 
-def gemma3_weights(file: GGUFFile, config: Gemma3Config, progress: Callable[[int, int], None] | None = None, *,
-                   dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """llama.cpp tensor names -> Gemma3Model's state dict in ``dtype``; a missing or extra tensor is named."""
-    c, v, total = config.d_model, config.vocab_size, config.num_layers + 1
-    embed = transposed_storage(torch.from_numpy(_tensor(file, "token_embd.weight", (v, c))).to(dtype))  # (V, C)
-    out = {"embed.weight": embed, "lm_head.weight": embed,
-           "norm.weight": torch.from_numpy(_tensor(file, "output_norm.weight", (c,))).to(dtype)}
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = transposed_storage(torch.from_numpy(_tensor(file, "output.weight", (v, c))).to(dtype))
-    for layer in range(config.num_layers):
-        out |= {f"layers.{layer}.{name}": t for name, t in _block_weights(file, config, layer, dtype).items()}
-        if progress is not None:
-            progress(layer + 1, total)
-    expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
-        f"blk.{layer}.{name}.weight" for layer in range(config.num_layers) for name in _BLOCK_TENSORS}
-    finish(file, expected, "Gemma 3", progress, total)
-    return out
-
-
-def gemma3_from_gguf(file: GGUFFile, *, dtype: torch.dtype = torch.float32,
-                     progress: Callable[[int, int], None] | None = None, weights: str = "float32") -> Gemma3Model:
-    """A ``general.architecture = "gemma3"`` file as a :class:`Gemma3Model` in eval mode, with its tokenizer.
-
-    :func:`attnkit.models.load_gguf` calls this after its checks of ``dtype``
-    and ``weights`` (the form of the linear layers,
-    :func:`attnkit.modules.quantize.quantize`).
-    """
-    config = gemma3_config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
-    tokenizer = file_tokenizer(file, config.vocab_size, config.context_length, "gemma3.vocab_size")
-    state = gemma3_weights(file, config, progress, dtype=dtype)
-    return pack(assemble(lambda: Gemma3Model(config, tokenizer), state, dtype), weights)
+GEMMA3 = register(Architecture("gemma3", config=gemma3_config, block=gemma3_block, model=Gemma3Model))
 
 
 # ---------------------------------------------------------------------------------------------------------------

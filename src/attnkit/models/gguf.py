@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,6 +198,25 @@ def _from_index(path: Path, where: Path) -> GGUFFile | None:
         return GGUFFile(path, record["metadata"], tensors)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing or damaged: parse the file again
         return None
+
+
+def metadata_int(metadata: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """An integer >= 1 at ``key`` (or ``default``); a ValueError naming the key when missing or not one."""
+    value = metadata.get(key, default)
+    if value is None:
+        raise ValueError(f"the GGUF metadata lacks {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"the GGUF metadata's {key} = {value!r} cannot describe a model: expected an integer >= 1")
+    return value
+
+
+def metadata_float(metadata: Mapping[str, Any], key: str, default: float, *, above: float) -> float:
+    """A finite number greater than ``above`` at ``key`` (or ``default``); a ValueError naming the key otherwise."""
+    value = metadata.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > above):
+        raise ValueError(f"the GGUF metadata's {key} = {value!r} cannot describe a model: expected a finite "
+                         f"number > {above:g}")
+    return float(value)
 
 
 Q4_1_BLOCK = 20  # bytes per 32 weights: d and m (float16), then 16 bytes of 4-bit codes

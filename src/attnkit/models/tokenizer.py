@@ -34,11 +34,16 @@ _SPACE = "\u2581"  # SentencePiece's visible space
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen 2's (and Qwen 2.5's, Qwen 3's): Llama 3's, but every digit alone (\p{N}, not \p{N}{1,3}); llama.cpp spells
+# tokenizer.json's case-insensitive (?i:'s|'t|...) out, as here.
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),  # llama.cpp's own default
     "gpt-2": (_GPT2,), "gpt2": (_GPT2,),
     "smollm": (r"\p{N}", _GPT2), "starcoder": (r"\p{N}", _GPT2),
     "llama3": (_LLAMA3,), "llama-v3": (_LLAMA3,), "llama-bpe": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
 }
 _END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>")
 
@@ -75,7 +80,7 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre_tokenizer: 
     """A ``tokenizers.Tokenizer``: byte-level BPE over GPT-2's byte alphabet, split by llama.cpp's pre-tokenizer."""
     tokenizers = require("tokenizers", "The GGUF tokenizer")
     if pre_tokenizer not in _PRE_TOKENIZERS:
-        raise ValueError(f"pre-tokenizer {pre_tokenizer!r} is not supported; supported: "
+        raise ValueError(f"pre-tokenizer {pre_tokenizer!r} (tokenizer.ggml.pre) is not supported; supported: "
                          f"{', '.join(sorted(_PRE_TOKENIZERS))}")
     vocab = {token: i for i, token in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
