@@ -17,7 +17,8 @@ value product reads the whole chunk, with probability 0 past the last key
 (the kernel takes contiguous weights only, their inner size a multiple of
 16: it returns wrong numbers, or crashes, for others).
 
-:meth:`Int8Keys.attention` runs those kernels; the layer calls it for calls
+:func:`attnkit.backends.int8.int8_attention` runs those kernels
+(:meth:`Int8Keys.attention`); the layer calls it for calls
 it can serve (:meth:`Int8Keys.reads_directly`): a backend by name, no
 modifiers or sinks, no ``attn_mask``, no weights asked for, no dropout, no
 trace watching, not under ``torch.compile`` (Inductor cannot lower the
@@ -48,10 +49,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.backends.math import softmax_rows
+from attnkit.backends.int8 import int8_attention
 
 from .kv_cache import CachedKeys, GrowingSlots
 from .packed import quantize_rows
@@ -94,31 +94,11 @@ class Int8Keys:
                 and self.length >= 128 * (b - 1) and not torch.compiler.is_compiling())
 
     def attention(self, q: Tensor, scale: float, visible: Tensor | None) -> Tensor:
-        """softmax(q k^T * scale) v over the int8 keys and values: q (B, H, T, D) -> (B, H, T, Dv) in q's dtype.
-
-        ``visible`` bool (B, 1, T, S), True = may attend, or None (every key). The kernel takes one
-        (row, key/value head) at a time; everything between its two calls runs on all of them at once.
-        """
-        b, h, t, d = q.shape
-        if q.device.type != "cpu" or d % 16:
-            raise ValueError(f"the int8 kernel reads CPU tensors with a head dim that is a multiple of 16, got head "
-                             f"dim {d} on {q.device} (call dequantized() instead)")
-        g, s, dv, c = self.k_codes.shape[1], self.length, self.v_codes_t.shape[2], self.v_codes_t.shape[3]
-        pairs = [(i, j) for i in range(b) for j in range(g)]
-        rows = (q * scale).reshape(b, g, h // g * t, d).to(torch.bfloat16)  # (B, H, T, D) -> (B, G, N, D)
-        scores = torch.stack([torch._weight_int8pack_mm(rows[i, j], self.k_codes[i, j], self.k_scale[i, j])
-                              for i, j in pairs]).float().view(b, g, -1, s)  # B * G of (N, S) -> (B, G, N, S)
-        if visible is None:
-            p = torch.softmax(scores, dim=-1)  # (B, G, N, S)
-        else:
-            hidden = ~visible[:, :, None]  # (B, 1, T, S) -> (B, 1, 1, T, S)
-            scores = scores.view(b, g, -1, t, s).masked_fill(hidden, -torch.inf).view(b, g, -1, s)  # (B, G, N, S)
-            p = softmax_rows(scores)  # (B, G, N, S), 0 for a query that sees no key
-        p = F.pad((p * self.v_scale[:, :, None]).to(torch.bfloat16), (0, c - s))  # (B, G, N, S) -> (B, G, N, C)
-        ones = torch.ones(dv, dtype=torch.bfloat16, device=q.device)  # per-output scale: values are scaled per key
-        out = torch.stack([torch._weight_int8pack_mm(p[i, j], self.v_codes_t[i, j], ones)
-                           for i, j in pairs])  # B * G of (N, C) @ (Dv, C)^T -> (B * G, N, Dv)
-        return out.view(b, g, h // g, t, dv).reshape(b, h, t, dv).to(q.dtype)  # (B * G, N, Dv) -> (B, H, T, Dv)
+        """softmax(q k^T * scale) v over the int8 keys and values: q (B, H, T, D) -> (B, H, T, Dv) in q's dtype
+        (:func:`attnkit.backends.int8.int8_attention`); ``visible`` bool (B, 1, T, S), True = may attend, or
+        None (every key)."""
+        return int8_attention(q, self.k_codes, self.k_scale, self.v_codes_t, self.v_scale,
+                              scale, visible)
 
 
 def _grown(old: Tensor | None, shape: tuple[int, ...], dim: int, like: Tensor, dtype: torch.dtype) -> Tensor:
