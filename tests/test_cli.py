@@ -102,6 +102,7 @@ def test_png_and_html_for_the_toy_layer(capsys, tmp_path):
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
     page = (tmp_path / "p.html").read_text()
     assert "textbook MultiHeadAttention" in page and '"tokens":["Your","journey"' in page
+    assert '"open":{"layer":0,"head":null}' in page  # the toy layer's every head
 
 
 def test_minilm_walkthrough_png_html_json(capsys, tmp_path):
@@ -116,7 +117,9 @@ def test_minilm_walkthrough_png_html_json(capsys, tmp_path):
     assert weights["shape"] == [9, 9] and doc["tokens"][:3] == ["[CLS]", "the", "cat"]
     assert abs(sum(weights["data"][1]) - 1) < 1e-4
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "p.html").read_text().count('"name":"layers.') == 6
+    page = (tmp_path / "p.html").read_text()
+    assert page.count('"name":"layers.') == 6
+    assert '"open":{"layer":2,"head":8}' in page  # it opened on layer 0 with every head chosen
 
 
 def test_smollm2_walkthrough_shows_a_decoder_head_and_rejects_a_missing_layer(capsys, tmp_path):

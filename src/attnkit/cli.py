@@ -132,7 +132,7 @@ def _write_outputs(args: argparse.Namespace, shown: Explanation, console: Any) -
         console.print(plain(f"wrote the heads' heatmaps to {args.png}"))
     if args.html:
         html.write_html(args.html, shown.tokens, shown.layers, title=shown.heads_title,
-                        subtitle=" / ".join(shown.header[1:]))
+                        subtitle=" / ".join(shown.header[1:]), layer=shown.layer, head=shown.head)
         console.print(plain(f"wrote an interactive page to {args.html} (open it in a browser; works offline)"))
     if args.json:
         render.write_json(args.json, render.steps_to_json(shown.steps, shown.tokens, shown.meta))

@@ -112,3 +112,34 @@ def test_head_view_shows_itself_in_a_notebook_as_the_page_in_an_iframe():
     inner = markup.split('srcdoc="', 1)[1].split('" sandbox=', 1)[0]
     assert html_lib.unescape(inner) == render_page(["a", "<b>", "c"], [("layer", weights)], title="T & <i>")
     assert "<b>" not in inner  # escaped for the attribute: the notebook never parses the page's tags
+
+
+@pytest.mark.browser
+def test_the_page_opens_on_the_layer_and_head_asked_for(browser, tmp_path):
+    """Bug: `explain --html --layer 2 --head 8` wrote a page whose heading said layer 2, head 8 but that opened
+    on layer 0 with every head chosen."""
+    layers = _layers() + _layers(seed=1)  # layers 0 to 3, 3 heads each
+    path = write_html(tmp_path / "page.html", TOKENS, layers, title="test page", layer=2, head=1)
+    page = browser.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(path.as_uri())
+    assert page.input_value("#layer") == "2"
+    assert page.eval_on_selector_all("#heads input", "cs => cs.map(c => c.checked)") == [False, True, False]
+    shown = page.eval_on_selector_all("#line-layer line", "ls => ls.map(l => [Number(l.dataset.head), "
+                                      "Number(l.dataset.query), Number(l.dataset.key)])")
+    assert {head for head, _, _ in shown} == {1}
+    assert len(shown) == int((layers[2][1][1] >= 0.05).sum())  # layer 2's head 1, not layer 0's
+    page.click("#show-heatmap")
+    assert page.input_value("#heatmap-head") == "1"
+    cells = page.eval_on_selector_all("#heatmap td", "cs => cs.map(c => Number(c.dataset.value))")
+    torch.testing.assert_close(torch.tensor(cells).view(5, 5), layers[2][1][1], atol=5e-5, rtol=0)
+    assert errors == []
+    page.close()
+
+
+def test_a_page_refuses_to_open_on_a_layer_or_head_it_lacks():
+    with pytest.raises(ValueError, match=r"layer 2 is out of range: the page has layers 0 to 1"):
+        render_page(TOKENS, _layers(), layer=2)
+    with pytest.raises(ValueError, match=r"head 3 is out of range: layer 1 has heads 0 to 2"):
+        render_page(TOKENS, _layers(), layer=1, head=3)

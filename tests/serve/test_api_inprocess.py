@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -190,3 +191,137 @@ def test_a_client_that_leaves_a_request_that_does_not_stream_is_cancelled_while_
     assert metrics["requests_running"] == 0 and metrics["kv_blocks_used"] == 0
     assert metrics["generated_tokens_total"] < 60, metrics  # cancelled at once, not run on to max_tokens
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]  # for the access log
+
+
+class _Recording(Words):
+    """Words that keeps the messages each chat prompt was built from."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[dict[str, str]]] = []
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        self.seen.append(messages)
+        return super().chat_ids(messages)
+
+
+def test_text_content_parts_are_joined_by_a_newline() -> None:
+    """Bug: the parts were joined by nothing, "What is" + "the best book" -> "What isthe best book" (llama.cpp
+    joins them with a newline)."""
+    words = _Recording()
+    server = Server(_engine(_model()), words, model_name="tiny", context_length=128)
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the best book"}]
+    server.parse_chat({**CHAT, "messages": [{"role": "user", "content": parts}]})
+    assert words.seen == [[{"role": "user", "content": "What is\nthe best book"}]]
+
+
+PREFLIGHT = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_a_browser_preflight_is_answered_before_the_api_key_is_checked() -> None:
+    """Bug: no CORS: a browser app on another origin failed at its preflight (an OPTIONS without the key), so
+    it never sent its request."""
+    engine = _engine(_model())
+    engine.start()
+    try:
+        server = Server(engine, Words(), model_name="tiny", api_key="secret", context_length=128)
+        client = testclient.TestClient(create_app(server))
+        preflight = client.options("/v1/chat/completions", headers=PREFLIGHT)
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == "*"
+        assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+        answer = client.post("/v1/chat/completions", json=CHAT,
+                             headers={"Origin": "http://localhost:3000", "Authorization": "Bearer secret"})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+        refused = client.post("/v1/chat/completions", json=CHAT, headers={"Origin": "http://localhost:3000"})
+        assert refused.status_code == 401  # the key still guards the route, and the page may read why:
+        assert refused.headers["access-control-allow-origin"] == "*"
+    finally:
+        engine.shutdown()
+
+
+def test_cors_origins_name_the_only_pages_that_may_call() -> None:
+    client = testclient.TestClient(create_app(_server(_engine(_model())), cors_origins=["https://app.example"]))
+    allowed = client.options("/v1/models", headers={**PREFLIGHT, "Origin": "https://app.example",
+                                                    "Access-Control-Request-Method": "GET"})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    other = client.options("/v1/models", headers={**PREFLIGHT, "Access-Control-Request-Method": "GET"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_model_alias_is_listed_and_served_and_other_names_are_not_found() -> None:
+    """Bug: the model id was fixed to the file's name: an app configured with another name got a 404."""
+    engine = _engine(_model())
+    engine.start()
+    try:
+        server = Server(engine, Words(), model_name="tiny", aliases=["gpt-4o-mini"], context_length=128)
+        client = testclient.TestClient(create_app(server))
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny", "gpt-4o-mini"]
+        assert client.get("/v1/models/gpt-4o-mini").json()["id"] == "gpt-4o-mini"
+        for name in ("tiny", "gpt-4o-mini"):
+            answer = client.post("/v1/completions", json={**COMPLETION, "model": name})
+            assert answer.status_code == 200, answer.text
+        other = client.post("/v1/completions", json={**COMPLETION, "model": "gpt-4"})
+        assert other.status_code == 404
+        assert other.json()["error"]["message"] == ("The model 'gpt-4' does not exist; this server has 'tiny', "
+                                                    "'gpt-4o-mini'")
+    finally:
+        engine.shutdown()
+
+
+def test_every_request_logs_one_line_with_its_status_and_tokens_but_not_the_prompt(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Bug: the server logged no requests. A stream's line comes once it ended, with the tokens it sent."""
+    engine = _engine(_model())
+    engine.start()
+    try:
+        server = Server(engine, Words(), model_name="tiny", api_key="secret", context_length=128)
+        client = testclient.TestClient(create_app(server))
+        key = {"Authorization": "Bearer secret"}
+        caplog.set_level(logging.INFO, logger="attnkit.serve.access")
+        client.post("/v1/completions", json={**COMPLETION, "temperature": 0}, headers=key)
+        client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "stream": True}, headers=key)
+        client.post("/v1/completions", json=COMPLETION)  # no key
+        client.get("/v1/models", headers=key)
+    finally:
+        engine.shutdown()
+    lines = [r.getMessage().rsplit(" ", 2) for r in caplog.records if r.name == "attnkit.serve.access"]
+    assert [line for line, _, _ in lines] == [
+        "POST /v1/completions 200 prompt_tokens=3 completion_tokens=2",
+        "POST /v1/chat/completions 200 prompt_tokens=3 completion_tokens=3",
+        "POST /v1/completions 401", "GET /v1/models 200"]
+    assert all(float(seconds) >= 0 and unit == "s" for _, seconds, unit in lines)
+    assert "one two three" not in caplog.text
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens() -> None:
+    """Bug: usage had no prompt_tokens_details.cached_tokens although the prefix cache served the prompt."""
+    engine = _engine(_model())
+    engine.start()
+    try:
+        client = testclient.TestClient(create_app(_server(engine)))
+        body = {**COMPLETION, "prompt": " ".join(["one", "two", "three"] * 4)}  # 12 tokens: three blocks of 4
+        first, second = (client.post("/v1/completions", json=body).json()["usage"] for _ in range(2))
+    finally:
+        engine.shutdown()
+    assert first["prompt_tokens"] == second["prompt_tokens"] == 12
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["prompt_tokens_details"] == {"cached_tokens": 8}  # the last full block is recomputed for logits
+
+
+def test_usage_and_metrics_count_the_stop_token_alike() -> None:
+    """Bug: usage.completion_tokens left out the stop id that /metrics' generated tokens counted (7 against 8)."""
+    model = _model()
+    engine = _engine(model)
+    greedy = engine.submit([1, 2, 3], GenerationOptions(max_new_tokens=1), lambda e: None)
+    while not engine.idle:
+        engine.step()
+    stop = greedy.tokens[-1]  # the first greedy token: ask for it as the stop id
+    events: list[Any] = []
+    engine.submit([1, 2, 3], GenerationOptions(max_new_tokens=8, stop_ids=[stop]), events.append)
+    while not engine.idle:
+        engine.step()
+    assert events[-1].finish_reason == "stop"
+    assert sum(len(e.token_ids) for e in events) == 1
+    assert engine.metrics()["generated_tokens_total"] == 2  # one per request, each counted once

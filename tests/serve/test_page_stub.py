@@ -50,6 +50,7 @@ class Stub(ThreadingHTTPServer):
     daemon_threads = True
     pages: dict[str, bytes]
     sent: list[dict[str, Any]]  # the bodies of every chat request, in order
+    keys: list[str | None]  # the Authorization header of every chat request, in order
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -80,6 +81,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.sent.append(body)
+        self.server.keys.append(self.headers.get("Authorization"))
         question = body["messages"][-1]["content"]
         first = question.split()[0]
         if first == "busy":
@@ -126,8 +128,9 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def stub() -> Iterator[Stub]:
     server = Stub(("127.0.0.1", 0), Handler)
-    server.pages = {"/": _render(MODEL).content, "/hostile": _render(HOSTILE).content}
-    server.sent = []
+    server.pages = {"/": _render(MODEL).content, "/hostile": _render(HOSTILE).content,
+                    "/keyed": _render(MODEL, api_key="secret").content}
+    server.sent, server.keys = [], []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -140,6 +143,7 @@ def stub() -> Iterator[Stub]:
 def tab(browser: Any, stub: Stub) -> Iterator[Any]:
     """A fresh page at /; its script errors are checked at the end."""
     stub.sent.clear()
+    stub.keys.clear()
     page = browser.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda err: errors.append(str(err)))
@@ -218,27 +222,62 @@ def test_a_failed_question_is_not_resent_and_goes_back_into_the_box(tab: Any, st
     assert _history(stub) == [("user", "Hi"), ("assistant", "Answer to: Hi"), ("user", "What next?")]
 
 
-@pytest.mark.browser
-def test_a_wrong_api_key_prompt_dismissed_is_not_resent(tab: Any, stub: Stub) -> None:
-    """A 401 asks for a key; dismissed, the question goes back into the box and is not in the history (it was,
-    with an empty answer, after a second request with the refused key)."""
-    refused: list[str] = []
+def _refuse_every_key(tab: Any) -> list[str | None]:
+    """Answer every chat request with the server's 401; returns the keys they carried."""
+    keys: list[str | None] = []
 
     def refuse(route: Any) -> None:
-        refused.append(route.request.url)
+        keys.append(route.request.headers.get("authorization"))
         route.fulfill(status=401, content_type="application/json",
                       body=json.dumps({"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}}))
 
     tab.route("**/v1/chat/completions", refuse)
-    asked: list[str] = []
-    tab.on("dialog", lambda dialog: (asked.append(dialog.type), dialog.dismiss()))
+    return keys
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize(("typed", "says"), [
+    ("", "error: this server needs an API key: enter the one it was started with (attnkit serve --api-key) in the "
+         "API key field above, then send again"),
+    ("wrong", "error: the server refused this API key (Incorrect API key provided): check the API key field above, "
+              "then send again"),
+])
+def test_a_refused_key_says_so_on_the_page_and_points_to_the_key_field(tab: Any, stub: Stub, typed: str,
+                                                                       says: str) -> None:
+    """Bug: with --api-key the page could not send a key: every question failed with a bare 401 (later, a
+    prompt() dialog asked for it). Now a 401 says where the key goes; the question goes back into the box and is
+    not resent with the refused key."""
+    dialogs: list[str] = []
+    tab.on("dialog", lambda dialog: (dialogs.append(dialog.type), dialog.dismiss()))
+    tab.goto(f"http://127.0.0.1:{stub.server_port}/keyed")
+    tab.fill("#key", typed)
+    keys = _refuse_every_key(tab)
     _ask(tab, "Hi there")
     tab.unroute("**/v1/chat/completions")
-    assert asked == ["prompt"] and len(refused) == 1  # no second try with the key that was refused
+    assert keys == [f"Bearer {typed}" if typed else None]  # asked once, with what the field held
+    assert _shown(tab) == [f"error: {says}"] and tab.get_attribute(".error", "role") == "alert"
     assert tab.input_value("#input") == "Hi there"
-    assert _shown(tab) == ["error: error: Incorrect API key provided"]
+    assert tab.evaluate("document.activeElement.id") == "key" and dialogs == []
     _ask(tab, "What next?")
     assert _history(stub) == [("user", "What next?")]
+
+
+@pytest.mark.browser
+def test_the_key_field_sends_a_bearer_key_and_the_browser_keeps_it(tab: Any, stub: Stub) -> None:
+    """A server started with --api-key: its page shows the key field; the key typed there goes with every
+    question and is still there on the next visit. A server without a key shows no field."""
+    assert tab.is_hidden("#key")
+    tab.goto(f"http://127.0.0.1:{stub.server_port}/keyed")
+    assert tab.is_visible("#key") and tab.input_value("#key") == ""
+    assert tab.get_by_label("API key").count() == 1
+    tab.fill("#key", "secret")
+    _ask(tab, "Hi")
+    assert stub.keys == ["Bearer secret"]
+    assert _shown(tab) == ["user: Hi", "assistant: Answer to: Hi"]
+    tab.reload()
+    assert tab.input_value("#key") == "secret"
+    _ask(tab, "Again")
+    assert stub.keys == ["Bearer secret", "Bearer secret"]
 
 
 @pytest.mark.browser

@@ -38,6 +38,8 @@ class Explanation:
     heads: Tensor  # (H, T, S): the weights of the layer shown, for --png
     layers: list[tuple[str, Tensor]]  # every layer's (name, weights (H, T, S)), for --html
     meta: dict[str, Any] = field(default_factory=dict)
+    layer: int = 0  # the layer --html opens on: the one shown
+    head: int | None = None  # the head --html opens on (None: every head, as the toy layer shows them)
 
 
 def explain_toy(text: str | None, *, d_out: int = 4, num_heads: int = 2, seed: int = 123,
@@ -179,4 +181,4 @@ def explain_model(model_name: str, text: str | None, *, layer: int = 0, head: in
     ]
     meta = {"text": text, "model": run.name, "layer": layer, "head": head}
     return Explanation(run.tokens, steps, header, f"{run.name} layer {layer}: {text}", record.weights[0],
-                       trace_layers(run.recorded), meta)
+                       trace_layers(run.recorded), meta, layer=layer, head=head)

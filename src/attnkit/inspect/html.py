@@ -34,17 +34,24 @@ def _layer(name: str, weights: Tensor, t: int, s: int) -> dict[str, object]:
 
 
 def render_page(tokens: Sequence[str], layers: Sequence[tuple[str, Tensor]], *, title: str = "attnkit",
-                subtitle: str = "", key_tokens: Sequence[str] | None = None) -> str:
-    """The page's HTML for ``layers``: (name, weights (H, T, S)) pairs."""
+                subtitle: str = "", key_tokens: Sequence[str] | None = None, layer: int = 0,
+                head: int | None = None) -> str:
+    """The page's HTML for ``layers``: (name, weights (H, T, S)) pairs. It opens on ``layers[layer]`` with
+    ``head`` alone chosen (in the head view and the heatmap), or every head (None)."""
     tokens, keys = list(tokens), list(key_tokens) if key_tokens is not None else None
     if not tokens or not layers:
         raise ValueError("a page needs at least one token and one layer")
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer {layer} is out of range: the page has layers 0 to {len(layers) - 1}")
+    heads = layers[layer][1].shape[0]
+    if head is not None and not 0 <= head < heads:
+        raise ValueError(f"head {head} is out of range: layer {layer} has heads 0 to {heads - 1}")
     t, s = len(tokens), len(keys) if keys is not None else len(tokens)
     numbers = sum(w.numel() for _, w in layers)
     if numbers > MAX_NUMBERS:
         raise ValueError(f"{numbers} weights are too many for one page (at most {MAX_NUMBERS}): "
                          "use a shorter text or fewer layers")
-    data = {"tokens": tokens, "key_tokens": keys, "subtitle": subtitle,
+    data = {"tokens": tokens, "key_tokens": keys, "subtitle": subtitle, "open": {"layer": layer, "head": head},
             "layers": [_layer(name, w, t, s) for name, w in layers]}
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # no "</script>" inside
     template = resources.files("attnkit.inspect").joinpath("page.html").read_text(encoding="utf-8")
@@ -54,11 +61,12 @@ def render_page(tokens: Sequence[str], layers: Sequence[tuple[str, Tensor]], *, 
 
 
 def write_html(path: str | Path, tokens: Sequence[str], layers: Sequence[tuple[str, Tensor]], *,
-               title: str = "attnkit", subtitle: str = "", key_tokens: Sequence[str] | None = None) -> Path:
+               title: str = "attnkit", subtitle: str = "", key_tokens: Sequence[str] | None = None, layer: int = 0,
+               head: int | None = None) -> Path:
     """Write :func:`render_page` to ``path``; returns the path."""
     path = Path(path)
-    path.write_text(render_page(tokens, layers, title=title, subtitle=subtitle, key_tokens=key_tokens),
-                    encoding="utf-8")
+    path.write_text(render_page(tokens, layers, title=title, subtitle=subtitle, key_tokens=key_tokens, layer=layer,
+                                head=head), encoding="utf-8")
     return path
 
 

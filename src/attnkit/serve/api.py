@@ -9,16 +9,19 @@ too); the engine thread only ever sees valid requests. Streaming is server-sent
 events as OpenAI sends them: ``data: {chunk}`` lines with one id and one
 ``created``, a last chunk with ``finish_reason``, a usage chunk when asked, then
 ``data: [DONE]``. A client that goes away has its request cancelled at the
-engine's next step, streamed or not.
+engine's next step, streamed or not. Browsers on other origins are answered
+(CORS, preflights before the API key is checked), and every request leaves one
+line on the ``attnkit.serve.access`` logger (:class:`AccessLog`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 from importlib import resources
@@ -47,6 +50,7 @@ except ImportError:  # the extra ``serve`` is missing: create_app() says so
     Request = Any  # type: ignore[misc,assignment]
 
 MAX_BODY = 1 << 20  # bytes of JSON a request may send
+ACCESS_LOG = logging.getLogger("attnkit.serve.access")  # attnkit serve prints it on stderr (not with --no-access-log)
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,16 @@ class Parsed:
 
 
 class Server:
-    """The routes' state: the engine, the tokenizer, the model's name and the API key."""
+    """The routes' state: the engine, the tokenizer, the model's name and the API key.
 
-    def __init__(self, engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
-                 context_length: int) -> None:
+    ``aliases``: more names the model answers to (a client configured with another model id); responses and
+    the chat page name it ``model_name``.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Any, *, model_name: str, aliases: Sequence[str] = (),
+                 api_key: str | None = None, context_length: int) -> None:
         self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
+        self.names = tuple(dict.fromkeys((model_name, *aliases)))  # every name served, the model's first
         self.context_length = context_length
         self.started = int(time.time())
 
@@ -78,8 +87,8 @@ class Server:
         model = body.get("model")
         if not isinstance(model, str):
             raise bad("model", f"expected the model's name, got {json.dumps(model)}")
-        if model != self.model_name:
-            raise no_such_model(model, self.model_name)
+        if model not in self.names:
+            raise no_such_model(model, self.names)
         room = self.context_length - prompt_len
         if room < 1:
             raise too_long(source, f"the prompt has {prompt_len} tokens: no room left in the context window "
@@ -123,11 +132,11 @@ class Server:
             if m["role"] not in ("system", "user", "assistant", "developer"):
                 raise bad(f"messages[{i}].role", f"unknown role {m['role']!r}; expected system, user or assistant")
             content = m.get("content")
-            if isinstance(content, list):  # OpenAI's content parts: text only
+            if isinstance(content, list):  # OpenAI's text content parts, one a line (as llama.cpp joins them)
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in content):
                     raise bad(f"messages[{i}].content", "only text content parts are supported")
-                content = "".join(p["text"] for p in content)
+                content = "\n".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise bad(f"messages[{i}].content", f"expected a string, got {json.dumps(content)}")
             plain.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
@@ -174,8 +183,11 @@ class Server:
         return seq, queue
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage: ``cached`` of the prompt's tokens came from the prefix cache (not computed again); the
+    completion counts every token sampled, a stop id included, as the engine's metrics do."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _sse(data: Any) -> str:
@@ -189,8 +201,8 @@ async def _cancel_when_gone(engine: Engine, seq: Any, receive: Callable[[], Any]
     engine.cancel(seq)
 
 
-async def _collect(server: Server, parsed: Parsed, receive: Callable[[], Any]) -> tuple[str, str, int]:
-    """Run a request to its end: (text, finish_reason, completion tokens).
+async def _collect(server: Server, parsed: Parsed, receive: Callable[[], Any]) -> tuple[str, str, dict[str, Any]]:
+    """Run a request to its end: (text, finish_reason, usage).
 
     Meanwhile a watcher awaits the client's disconnect (``receive``: the request's ASGI receive), however
     often events arrive; if it comes, the engine cancels the request at its next step, freeing its blocks,
@@ -210,22 +222,23 @@ async def _collect(server: Server, parsed: Parsed, receive: Callable[[], Any]) -
                 raise APIError(499, "the client closed the request before its answer was complete",
                                code="client_closed_request")
             if event.finish_reason:
-                return "".join(text), event.finish_reason, tokens
+                return "".join(text), event.finish_reason, _usage(len(parsed.prompt), tokens, seq.cached_tokens)
     finally:
         watcher.cancel()
         server.engine.cancel(seq)  # a no-op once it finished
 
 
 def _stream(server: Server, parsed: Parsed, make_chunk: Callable[[str, str | None, bool], dict[str, Any]],
-            usage_chunk: Callable[[dict[str, int]], dict[str, Any]]) -> AsyncIterator[str]:
-    """Submit now (a refusal is still an HTTP error), then stream the request's server-sent events."""
+            usage_chunk: Callable[[dict[str, Any]], dict[str, Any]], state: Any) -> AsyncIterator[str]:
+    """Submit now (a refusal is still an HTTP error), then stream the request's server-sent events; ``state``
+    (the request's) gets the usage at the end, for the access log."""
     seq, queue = server.submit(parsed)
-    return _events(server, parsed, seq, queue, make_chunk, usage_chunk)
+    return _events(server, parsed, seq, queue, make_chunk, usage_chunk, state)
 
 
 async def _events(server: Server, parsed: Parsed, seq: Any, queue: asyncio.Queue[Event],
                   make_chunk: Callable[[str, str | None, bool], dict[str, Any]],
-                  usage_chunk: Callable[[dict[str, int]], dict[str, Any]]) -> AsyncIterator[str]:
+                  usage_chunk: Callable[[dict[str, Any]], dict[str, Any]], state: Any) -> AsyncIterator[str]:
     """Server-sent events of one request; the engine cancels it if the client goes away (GeneratorExit)."""
     tokens = 0
     try:
@@ -243,11 +256,42 @@ async def _events(server: Server, parsed: Parsed, seq: Any, queue: asyncio.Queue
                 reason = "length" if event.finish_reason == "length" else "stop"
                 yield _sse(make_chunk("", reason, False))
                 if parsed.include_usage:
-                    yield _sse(usage_chunk(_usage(len(parsed.prompt), tokens)))
+                    yield _sse(usage_chunk(_usage(len(parsed.prompt), tokens, seq.cached_tokens)))
                 break
         yield "data: [DONE]\n\n"
     finally:
+        state.usage = _usage(len(parsed.prompt), tokens, seq.cached_tokens)
         server.engine.cancel(seq)  # a no-op once it finished; frees its blocks if the client left
+
+
+class AccessLog:
+    """ASGI middleware: one line per request on :data:`ACCESS_LOG` once its response has ended (a stream's too):
+    method, path, status, the usage a completion route left in the request's state, seconds. Never the body."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.monotonic(), 500  # 500 until the response starts: an exception escaped
+        state = scope.setdefault("state", {})  # request.state of the routes
+
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            usage = state.get("usage")
+            tokens = (f" prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}"
+                      if usage else "")
+            ACCESS_LOG.info("%s %s %d%s %.3f s", scope["method"], scope["path"], status, tokens,
+                            time.monotonic() - start)
 
 
 def _prometheus(metrics: Mapping[str, float]) -> str:
@@ -258,10 +302,15 @@ def _prometheus(metrics: Mapping[str, float]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create_app(server: Server) -> Any:
-    """The FastAPI application of :class:`Server`."""
+def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
+    """The FastAPI application of :class:`Server`.
+
+    ``cors_origins``: the web origins (``scheme://host[:port]``) whose pages may call the API from a browser,
+    ``"*"`` for any; the API key, if the server has one, still guards every route but the open ones.
+    """
     fastapi = require("fastapi", "attnkit serve")
     responses = require("fastapi.responses", "attnkit serve")
+    cors = require("fastapi.middleware.cors", "attnkit serve")
     app = fastapi.FastAPI(title="attnkit", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
@@ -282,6 +331,12 @@ def create_app(server: Server) -> Any:
                 err = APIError(401, "Incorrect API key provided", code="invalid_api_key")
                 return responses.JSONResponse(err.body(), status_code=401)
         return await call_next(request)
+
+    # Added last, so it runs first: a browser's preflight (OPTIONS, which never carries the key) is answered
+    # before the key is checked, and a 401 carries the CORS headers the page needs to read it.
+    app.add_middleware(cors.CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["*"], expose_headers=["Retry-After"])
+    app.add_middleware(AccessLog)  # outermost: every request is logged, a refused one (401) or a preflight too
 
     async def read_json(request: Request) -> dict[str, Any]:
         body = await request.body()
@@ -313,15 +368,16 @@ def create_app(server: Server) -> Any:
                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
                 return {**out, "usage": None} if parsed.include_usage else out
 
-            def usage(u: dict[str, int]) -> dict[str, Any]:
+            def usage(u: dict[str, Any]) -> dict[str, Any]:
                 return {**base, "object": "chat.completion.chunk", "choices": [], "usage": u}
 
-            return responses.StreamingResponse(_stream(server, parsed, chunk, usage), media_type="text/event-stream")
-        text, reason, n = await _collect(server, parsed, request.receive)
+            return responses.StreamingResponse(_stream(server, parsed, chunk, usage, request.state),
+                                               media_type="text/event-stream")
+        text, reason, request.state.usage = await _collect(server, parsed, request.receive)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                              "logprobs": None, "finish_reason": "length" if reason == "length" else "stop"}],
-                "usage": _usage(len(parsed.prompt), n)}
+                "usage": request.state.usage}
 
     @app.post("/v1/completions")
     async def complete(request: Request) -> Any:
@@ -334,28 +390,29 @@ def create_app(server: Server) -> Any:
                        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
                 return {**out, "usage": None} if parsed.include_usage else out
 
-            def usage(u: dict[str, int]) -> dict[str, Any]:
+            def usage(u: dict[str, Any]) -> dict[str, Any]:
                 return {**base, "object": "text_completion", "choices": [], "usage": u}
 
-            return responses.StreamingResponse(_stream(server, parsed, chunk, usage), media_type="text/event-stream")
-        text, reason, n = await _collect(server, parsed, request.receive)
+            return responses.StreamingResponse(_stream(server, parsed, chunk, usage, request.state),
+                                               media_type="text/event-stream")
+        text, reason, request.state.usage = await _collect(server, parsed, request.receive)
         return {**base, "object": "text_completion",
                 "choices": [{"index": 0, "text": text, "logprobs": None,
                              "finish_reason": "length" if reason == "length" else "stop"}],
-                "usage": _usage(len(parsed.prompt), n)}
+                "usage": request.state.usage}
 
-    def model_object() -> dict[str, Any]:
-        return {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "attnkit"}
+    def model_object(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": server.started, "owned_by": "attnkit"}
 
     @app.get("/v1/models")
     async def models() -> Any:
-        return {"object": "list", "data": [model_object()]}
+        return {"object": "list", "data": [model_object(name) for name in server.names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Any:
-        if model_id != server.model_name:
-            raise no_such_model(model_id, server.model_name)
-        return model_object()
+        if model_id not in server.names:
+            raise no_such_model(model_id, server.names)
+        return model_object(model_id)
 
     @app.get("/health")
     async def health() -> Any:
@@ -369,8 +426,10 @@ def create_app(server: Server) -> Any:
 
     @app.get("/")
     async def page() -> Any:
-        """The chat page; the model's name goes in HTML-escaped (its script reads it from ``<body data-model>``)."""
+        """The chat page; the model's name goes in HTML-escaped (its script reads it from ``<body data-model>``),
+        and whether the API needs a key (``<body data-key="required">``: the page shows a field for it)."""
         html = resources.files("attnkit.serve").joinpath("chat.html").read_text(encoding="utf-8")
+        html = html.replace("__KEY__", "required" if server.api_key is not None else "")
         return responses.HTMLResponse(html.replace("__MODEL__", escape(server.model_name, quote=True)))
 
     @app.get("/favicon.ico", include_in_schema=False)

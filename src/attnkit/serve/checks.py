@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 MAX_STOPS = 4
@@ -38,8 +38,9 @@ def bad(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code=code)
 
 
-def no_such_model(name: str, served: str) -> APIError:
-    return APIError(404, f"The model '{name}' does not exist; this server has '{served}'", param="model",
+def no_such_model(name: str, served: Sequence[str]) -> APIError:
+    names = ", ".join(f"'{n}'" for n in served)
+    return APIError(404, f"The model '{name}' does not exist; this server has {names}", param="model",
                     code="model_not_found")
 
 

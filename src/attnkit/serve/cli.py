@@ -3,6 +3,7 @@
     attnkit serve                          # SmolLM2-135M-Instruct on http://127.0.0.1:8000
     attnkit serve --model gemma3           # Gemma 3 270M: a base model, for /v1/completions
     attnkit serve --gguf model.gguf --port 9000 --api-key secret
+    attnkit serve --alias gpt-4o-mini --cors-origins http://localhost:3000   # an app's model id, its page's origin
 
 Imports stay light: torch, the model and FastAPI load only when the command runs.
 """
@@ -10,7 +11,12 @@ Imports stay light: torch, the model and FastAPI load only when the command runs
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
+import re
+import socket
 import sys
+from typing import Any
 
 from attnkit._optional import require
 
@@ -46,6 +52,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="most requests waiting; more get HTTP 429 (default 256)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health and /")
     p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: PyTorch's choice)")
+    p.add_argument("--alias", "--served-model-name", action="append", metavar="NAME",
+                   help="another model id this server answers to (for a client configured with another name); "
+                   "repeat for several. The model's own name (smollm2, gemma3 or the GGUF file's name) is served "
+                   "too, and names the model in responses; /v1/models lists them all")
+    p.add_argument("--cors-origins", "--cors-origin", action="append", metavar="ORIGIN",
+                   help="a web origin (scheme://host[:port], such as http://localhost:3000) whose pages may call "
+                   "the API from a browser; repeat for several. Default: any origin, as vLLM and llama.cpp's "
+                   "server allow: --api-key, if given, still guards every route but /health and / (a browser's "
+                   "preflight needs no key). Without --api-key, any page open in a browser on this machine can "
+                   "use the server: name the origins that may")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="print no line per request (by default each request prints one on stderr: time, method, "
+                   "path, status, prompt and completion tokens, seconds; never the prompt)")
     p.set_defaults(func=_serve)
 
 
@@ -61,19 +80,59 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    for alias in args.alias or ():
+        if not alias.strip():
+            raise ValueError(f"--alias {alias!r} is empty: give the model id clients send")
+    for origin in args.cors_origins or ():
+        if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+            raise ValueError(f"--cors-origins {origin!r} is not a web origin: expected scheme://host[:port] without "
+                             "a path or a trailing slash (such as http://localhost:3000), or * for any")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, held from the start: a port in use is said before the model loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)  # as uvicorn chooses
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a closed connection's port is free
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            message = f"port {port} on {host} is in use (another server?): choose a free one with --port"
+        else:
+            message = f"cannot listen on {host}:{port}: {err.strerror or err}; check --host and --port"
+        raise ValueError(message) from None
+    return sock
+
+
+def _print_log(logger: logging.Logger) -> None:
+    """Print ``logger``'s lines on stderr, each after its time."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # once, whatever the root logger does
 
 
 def _serve(args: argparse.Namespace) -> int:
     _check(args)
     uvicorn = require("uvicorn", "attnkit serve")
     require("fastapi", "attnkit serve")
+    sock = _bind(args.host, args.port)
+    try:
+        return _load_and_serve(args, sock, uvicorn)
+    finally:
+        sock.close()
+
+
+def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any) -> int:
     import torch
 
     from attnkit.models.cli import packaged_path
     from attnkit.models.loader import load_gguf
     from attnkit.modules.quantize import weight_form
 
-    from .api import Server, create_app
+    from .api import ACCESS_LOG, Server, create_app
     from .engine import Engine
 
     if args.threads is not None:
@@ -86,14 +145,18 @@ def _serve(args: argparse.Namespace) -> int:
                     max_batch=args.max_batch, max_waiting=args.max_waiting,
                     kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype)
     engine.start()
-    server = Server(engine, model.tokenizer, model_name=name, api_key=args.api_key,
-                    context_length=model.context_length)
+    server = Server(engine, model.tokenizer, model_name=name, aliases=args.alias or (),
+                    api_key=args.api_key, context_length=model.context_length)
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
     print(f"attnkit serve: {name} ({weights} weights, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}) on http://{args.host}:{args.port} "
+          f"{torch.backends.cpu.get_cpu_capability()}) on http://{args.host}:{port} "
           f"({engine.blocks.num_blocks} {args.kv_dtype} KV blocks of {args.block_size} positions)", file=sys.stderr,
           flush=True)
     try:
-        uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+        app = create_app(server, cors_origins=args.cors_origins or ["*"])
+        if not args.no_access_log:
+            _print_log(ACCESS_LOG)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
     finally:
         engine.shutdown()
     return 0

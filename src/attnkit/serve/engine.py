@@ -241,8 +241,8 @@ class Engine:
         self.stats["generated_tokens_total"] += 1
         if request.first_token_at is None:
             request.first_token_at = time.monotonic()
-        if token in request.stop_ids:  # the stop id itself is not text
-            self._finish(request, "stop")
+        if token in request.stop_ids:  # the stop id itself is not text, but a token of the answer (usage counts it)
+            self._finish(request, "stop", [token])
             return
         piece = request.text.add(token)
         self._emit(request, Event(piece, [token]))
@@ -251,12 +251,12 @@ class Engine:
         elif request.generated >= request.options.max_new_tokens or len(request.tokens) >= self.model.context_length:
             self._finish(request, "length")
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: str, tokens: list[int] | None = None) -> None:
         if request.finished:
             return
         request.finished = True
         self.scheduler.drop(request)
-        self._emit(request, Event(request.text.flush(), [], reason))
+        self._emit(request, Event(request.text.flush(), tokens or [], reason))
 
     @staticmethod
     def _emit(request: Request, event: Event) -> None:

@@ -43,6 +43,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # positions whose keys and values are in the pool
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     generated: int = 0
     cancelled: bool = False
     finished: bool = False
@@ -113,6 +114,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.blocks, request.computed = allocation.blocks, allocation.cached_tokens
+            if request.generated == 0:  # not a preempted request coming back
+                request.cached_tokens = allocation.cached_tokens
             self.running.append(request)
             self.prompt_tokens += len(request.tokens) - allocation.cached_tokens
 
