@@ -67,6 +67,20 @@ def test_generate_chat_wraps_the_prompt_in_the_template(tiny: str, capsys: pytes
     assert out == _expected(tiny, chat, 5) + "\n"
 
 
+def test_generate_repetition_penalty_is_the_library_s(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bug: the command took --repetition-penalty and dropped it."""
+    import torch
+
+    from attnkit.models import load_gguf
+
+    assert main(["generate", "--gguf", tiny, "--max-new-tokens", "8", "--repetition-penalty", "2", "the"]) == 0
+    model = load_gguf(tiny, weights="auto")
+    ids = model.tokenize("the")["input_ids"]
+    new = model.generate(ids, max_new_tokens=8, repetition_penalty=2.0)[0, ids.shape[1] :]
+    plain = model.generate(ids, max_new_tokens=8)[0, ids.shape[1] :]
+    assert capsys.readouterr().out == model.decode(new) + "\n" and not torch.equal(new, plain)
+
+
 def test_generate_sampling_with_a_seed_repeats(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["generate", "--gguf", tiny, "--max-new-tokens", "8", "--temperature", "50", "--top-p", "0.9",
             "--seed", "3", "the"]
@@ -80,6 +94,8 @@ def test_generate_sampling_with_a_seed_repeats(tiny: str, capsys: pytest.Capture
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--temperature", "-1"], "temperature=-1.0"),
     (["--top-p", "1.5"], "top_p=1.5"),
+    (["--repetition-penalty", "0"], "repetition_penalty=0.0"),
+    (["--frequency-penalty", "3"], "frequency_penalty=3.0"),
     (["--seed", "3", "--top-k", "5"], "--top-k 5, --seed 3 shape sampling, and --temperature 0 (the default)"),
     ([" "], "the prompt is empty"),
     (["--kv-dtype", "bfloat16", "--dtype", "bfloat16"], "--dtype bfloat16 computes in the model's dtype"),

@@ -55,6 +55,13 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
     p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with probability >= p, "
                    "p in (0, 1]")
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide the logits of tokens already in the prompt or the answer by R (transformers' and "
+                   "llama.cpp's; 1 = off, the default; 1.1 to 1.3 stops a greedy answer looping)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="OpenAI's: subtract F per earlier occurrence in the answer, in [-2, 2] (default 0)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                   help="OpenAI's: subtract P from every token the answer holds, in [-2, 2] (default 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute type (default float32; BENCHMARKS.md has the speed of each)")
     p.add_argument("--weights", choices=list(WEIGHT_FORMS),
@@ -104,7 +111,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace, *, chat: bool) -> None:
     """Reject bad options before the (slow) model load; ``chat``: the prompt goes through a chat template."""
-    from attnkit.models.sampling import Sampler
+    from attnkit.models.sampling import Penalties, Sampler
     from attnkit.models.sink_caches import SinkSpec
 
     if args.gguf is not None and args.model is not None:
@@ -119,6 +126,7 @@ def _check(args: argparse.Namespace, *, chat: bool) -> None:
     if args.weights not in (None, "float32") and args.dtype != "float32":
         raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
     Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value
+    Penalties(args.frequency_penalty, args.presence_penalty, args.repetition_penalty)  # likewise
     shaping = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("top_k", "top_p", "seed")
                if getattr(args, name) is not None]
     if shaping and args.temperature == 0:
@@ -246,6 +254,8 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
     try:
         steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache,
+                               repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                               presence_penalty=args.presence_penalty,
                                kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype,
                                compile=args.compile, stats=stats)
         for token in steps:  # (1,)

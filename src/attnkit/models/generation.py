@@ -51,7 +51,7 @@ from .generation_options import (
     check_input_ids,
     check_prompt_mask,
 )
-from .sampling import Sampler, row_seeds
+from .sampling import Penalties, Sampler, row_seeds
 from .text import TextStream
 
 
@@ -70,26 +70,41 @@ class DecodeState:
     position: Tensor  # where that token goes
     done: Tensor  # bool: the row has stopped
     step: Tensor  # how many tokens each row has sampled (the sampler's counter)
+    counts: Tensor | None = None  # (B, V) float: each token's count in the answer, with penalties only
+    seen: Tensor | None = None  # (B, V) bool: in the prompt or the answer, with penalties only
 
 
 def decode_step(model: CausalLM, caches: Sequence[Cache], state: DecodeState, sampler: Sampler, seeds: Tensor,
-                stop_ids: Tensor, plain: bool = False) -> DecodeState:
+                stop_ids: Tensor, plain: bool = False, penalties: Penalties | None = None) -> DecodeState:
     """Feed each row's last token, sample the next: one step, no host synchronisation (compiles whole).
 
     Stopped rows get the pad id; a row stops when it samples a stop id.
     ``plain``: every row continues right after what the caches hold, so the
     token's position is left to them (the symbolic causal band, no mask).
+    ``penalties``: applied to the logits from ``state.counts`` and ``state.seen``.
     """
     positions = None if plain else state.position[:, None]  # (B, 1)
     logits = model.step(state.token[:, None], positions, caches)  # (B, 1) -> (B, V)
-    return _choose(model, logits, state, sampler, seeds, stop_ids)
+    return _choose(model, logits, state, sampler, seeds, stop_ids, penalties)
 
 
 def _choose(model: CausalLM, logits: Tensor, state: DecodeState, sampler: Sampler, seeds: Tensor,
-            stop_ids: Tensor) -> DecodeState:
+            stop_ids: Tensor, penalties: Penalties | None) -> DecodeState:
+    counts, seen = state.counts, state.seen
+    if penalties is not None and counts is not None and seen is not None:
+        logits = penalties(logits, counts, seen)  # (B, V)
     token = sampler(logits, seeds, state.step).masked_fill(state.done, model.pad_token_id)  # (B, V) -> (B,)
+    if counts is not None and seen is not None:
+        counts = counts.scatter_add(1, token[:, None], torch.ones_like(counts[:, :1]))  # (B, V)
+        seen = seen.scatter(1, token[:, None], True)  # (B, V)
     done = state.done | torch.isin(token, stop_ids)
-    return DecodeState(token, state.position + 1, done, state.step + 1)
+    return DecodeState(token, state.position + 1, done, state.step + 1, counts, seen)
+
+
+def _seen(ids: Tensor, mask: Tensor | None, vocab_size: int) -> Tensor:
+    """(B, V) bool: the tokens of each row's prompt (padding left out)."""
+    real = torch.ones_like(ids, dtype=torch.float) if mask is None else mask.float()  # (B, T)
+    return torch.zeros(ids.shape[0], vocab_size, device=ids.device).scatter_add_(1, ids, real) > 0  # (B, V)
 
 
 def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None = None, *,
@@ -102,6 +117,9 @@ def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | 
     if opts.stop:
         raise ValueError(f"stop={list(opts.stop)} ends text, and generate() returns token ids: stream() the text "
                          "(or give stop_ids)")
+    if opts.logprobs is not None:
+        raise ValueError(f"logprobs={opts.logprobs}: generate() returns token ids only; the serving engine "
+                         "(attnkit.serve.Engine) reports logprobs")
     ids = check_input_ids(model, input_ids)
     mask = check_prompt_mask(ids, attention_mask)
     if mask is not None and opts.sink is not None:
@@ -147,18 +165,22 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
     start = positions[:, -1] + 1 if positions is not None else torch.full((b,), t, device=ids.device)  # (B,)
     zeros = torch.zeros(b, dtype=torch.long, device=ids.device)
     state = DecodeState(ids[:, -1], start - 1, zeros.bool(), zeros)  # the prompt's last token, at start - 1
+    penalties = opts.penalties if opts.penalties.active else None
+    if penalties is not None:
+        state.counts = torch.zeros(b, model.vocab_size, device=ids.device)  # (B, V)
+        state.seen = _seen(ids, mask, model.vocab_size)  # (B, V)
     step = _step_function(model, opts.compile)
     stats.prompt_tokens = b * t if mask is None else int(mask.sum())
     stats.new_tokens, stats.steps, stats.rows, live = 0, 0, b, b
     begin = time.perf_counter()
     with torch.inference_mode():
         logits = _prefill(model, ids, given, caches, opts)  # (B, V)
-        state = _choose(model, logits, state, opts.sampler, seeds, stop_ids)  # the first new token, at start
+        state = _choose(model, logits, state, opts.sampler, seeds, stop_ids, penalties)  # the first, at start
     stats.prefill_seconds, begin = time.perf_counter() - begin, time.perf_counter()
     for n in range(opts.max_new_tokens):
         if n > 0:
             with torch.inference_mode():
-                state = step(model, caches, state, opts.sampler, seeds, stop_ids, positions is None)
+                state = step(model, caches, state, opts.sampler, seeds, stop_ids, positions is None, penalties)
             stats.decode_seconds = time.perf_counter() - begin
         stats.new_tokens, stats.steps = stats.new_tokens + live, n + 1  # rows not stopped before this step
         yield state.token
@@ -216,7 +238,8 @@ def generate(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None =
         attention_mask: (B, T) bool or 0/1, True/1 = real token; None = all real.
         stats: filled with token counts and timings.
         options: :class:`GenerationOptions` (max_new_tokens, temperature,
-            top_k, top_p, seed, stop_ids, compile, cache, kv_dtype).
+            top_k, top_p, seed, stop_ids, the three penalties, compile,
+            cache, kv_dtype).
     """
     new = list(generate_steps(model, input_ids, attention_mask, stats=stats, **options))
     return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)  # (B, T) + (B, n) -> (B, T + n)

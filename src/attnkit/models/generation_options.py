@@ -15,7 +15,7 @@ from torch import Tensor
 
 from attnkit.modules.kv_cache import Cache, check_storage_dtype
 
-from .sampling import Sampler
+from .sampling import Penalties, Sampler
 from .sink_caches import SinkSpec
 
 
@@ -40,6 +40,9 @@ class CausalLM(Protocol):
         ...
 
 
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
     """How to generate: every keyword of :func:`generate`, checked once.
@@ -58,6 +61,17 @@ class GenerationOptions:
             rows generally differ alone and in a batch (:mod:`.sampling`).
         stop_ids: ids that end a row (kept in the output, then pad ids);
             None = the model's end-of-turn / end-of-text ids, [] = never stop early.
+        frequency_penalty, presence_penalty: OpenAI's penalties in [-2, 2]
+            on tokens the answer already holds (per occurrence, and once);
+            0 = off (:class:`attnkit.models.sampling.Penalties`).
+        repetition_penalty: transformers' and llama.cpp's: a token of the
+            prompt or the answer has its logit divided by it (multiplied,
+            where negative); 1 = off, 1.1 to 1.3 stops a greedy answer
+            looping.
+        logprobs: None (off), or k in [0, 20]: the log-probability of each
+            chosen token and of the k most likely ones, from the logits the
+            sampler saw (after the penalties, before temperature, top-k and
+            top-p). The serving engine reports them; ``generate()`` refuses it.
         stop: strings that end the text (a string or a list of them); the
             first match ends it and is not shown. Text streams honour it
             (``stream()``, the serving engine); ``generate()`` returns ids,
@@ -88,17 +102,25 @@ class GenerationOptions:
     top_p: float | None = None
     seed: int | Sequence[int] | None = None
     stop_ids: Sequence[int] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
     stop: str | Sequence[str] = ()
     compile: bool = False
     cache: str | SinkSpec = "full"
     kv_dtype: torch.dtype | str | None = None
     sampler: Sampler = field(init=False, repr=False, compare=False)
+    penalties: Penalties = field(init=False, repr=False, compare=False)
     sink: SinkSpec | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got max_new_tokens={n!r}")
+        k = self.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got logprobs={k!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got stop={self.stop!r}")
@@ -106,6 +128,8 @@ class GenerationOptions:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got compile={self.compile!r}")
         object.__setattr__(self, "sampler", Sampler(self.temperature, self.top_k, self.top_p))
+        object.__setattr__(self, "penalties", Penalties(self.frequency_penalty, self.presence_penalty,
+                                                        self.repetition_penalty))
         object.__setattr__(self, "sink", SinkSpec.parse(self.cache))
         object.__setattr__(self, "kv_dtype", kv_storage(self.kv_dtype))
         if self.sink is not None and self.kv_dtype is not None:
@@ -121,7 +145,7 @@ class GenerationOptions:
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> GenerationOptions:
         """Options from keywords; an unknown keyword is named with the known ones."""
-        known = [name for name in cls.__dataclass_fields__ if name not in ("sampler", "sink")]
+        known = [name for name in cls.__dataclass_fields__ if name not in ("sampler", "penalties", "sink")]
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise TypeError(f"unknown generation option {unknown[0]!r}; known: {', '.join(known)}")

@@ -124,3 +124,43 @@ class Sampler:
         target = uniform(seeds, steps) * cdf[:, -1]  # (B,): a point under each row's total mass
         ids = torch.searchsorted(cdf, target[:, None], right=True)  # (B, 1): first id whose cdf passes it
         return ids.squeeze(-1).clamp_(max=logits.shape[-1] - 1)  # (B,)
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Penalties on tokens already seen, applied to the logits before sampling (and before logprobs).
+
+    - ``repetition`` (transformers' ``repetition_penalty``, llama.cpp's ``repeat_penalty``): a token of the
+      prompt or of the answer so far has its logit divided by it where positive and multiplied by it where
+      negative; 1 = off, > 1 discourages repeats.
+    - ``frequency`` and ``presence`` (OpenAI's, in [-2, 2]): ``logit - count * frequency - (count > 0) *
+      presence``, where ``count`` is how often the token appears in the answer so far (not the prompt).
+    """
+
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("frequency", "presence"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name}_penalty must be a number in [-2, 2], got {name}_penalty={value!r}")
+        r = self.repetition
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got repetition_penalty={r!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.frequency != 0 or self.presence != 0 or self.repetition != 1
+
+    def __call__(self, logits: Tensor, counts: Tensor, seen: Tensor) -> Tensor:
+        """Penalised logits (B, V): ``counts`` (B, V) the answer's tokens, ``seen`` (B, V) bool the prompt's and
+        the answer's."""
+        out = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
+        if self.repetition != 1:
+            out = torch.where(seen, torch.where(out > 0, out / self.repetition, out * self.repetition), out)
+        if self.frequency != 0 or self.presence != 0:
+            counts = counts.to(out.dtype)
+            out = out - counts * self.frequency - (counts > 0).to(out.dtype) * self.presence  # (B, V)
+        return out

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
 from .paged import PagedKVPool
-from .runner import Runner, batches
+from .runner import Choice, Runner, batches
 from .scheduler import Request, Row, Scheduler
 
 
@@ -58,12 +58,14 @@ class QueueFullError(EngineError):
 
 @dataclass
 class Event:
-    """What a sequence produced in one step."""
+    """What a request produced in one step: new text, the tokens sampled (a stop id included), and with
+    ``logprobs`` asked for, the :class:`~attnkit.serve.runner.Choice` of each token of the text."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     error: str | None = None
+    logprobs: list[Choice] = field(default_factory=list)
 
 
 def _pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) -> torch.dtype:
@@ -231,11 +233,12 @@ class Engine:
         if not ready:
             return 0
         requests = [rows[b].request for b in ready]
-        for request, token in zip(requests, self.runner.sample(requests, logits[ready]), strict=True):
-            self._accept(request, token)
+        for request, choice in zip(requests, self.runner.sample(requests, logits[ready]), strict=True):
+            self._accept(request, choice)
         return len(requests)
 
-    def _accept(self, request: Request, token: int) -> None:
+    def _accept(self, request: Request, choice: Choice) -> None:
+        token = choice.token
         request.tokens.append(token)
         request.generated += 1
         self.stats["generated_tokens_total"] += 1
@@ -245,7 +248,7 @@ class Engine:
             self._finish(request, "stop", [token])
             return
         piece = request.text.add(token)
-        self._emit(request, Event(piece, [token]))
+        self._emit(request, Event(piece, [token], logprobs=[choice] if choice.logprob is not None else []))
         if request.text.stopped:  # nothing after the stop string is shown
             self._finish(request, "stop")
         elif request.generated >= request.options.max_new_tokens or len(request.tokens) >= self.model.context_length:

@@ -3,14 +3,15 @@
 The runner builds the step's :class:`attnkit.serve.paged.PagedBatch` once
 (where each new token is written, which slots each row reads), runs the
 model's ``step`` over it and samples every finished row with its own options
-and seed (:mod:`attnkit.models.sampling`: the same random numbers as
-``generate`` alone).
+and seed (:mod:`attnkit.models.sampling`: the same random numbers, penalties
+and sampler as ``generate`` alone), with its logprobs when asked for.
 
 Legend: B rows in a forward, T tokens per row, V vocabulary.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,18 +55,50 @@ class Runner:
         finally:
             self.pool.batch = None
 
-    @staticmethod
-    def sample(requests: list[Request], logits: Tensor) -> list[int]:
-        """Each request's next token from its row of ``logits`` (B, V), grouped by sampling options."""
+    def sample(self, requests: list[Request], logits: Tensor) -> list[Choice]:
+        """Each request's next token from its row of ``logits`` (B, V), grouped by sampling options, with the
+        penalties of its options and, when asked for, its logprobs."""
         groups: dict[tuple[Any, ...], list[int]] = {}
         for b, request in enumerate(requests):
             o = request.options
-            groups.setdefault((o.temperature, o.top_k, o.top_p), []).append(b)
-        chosen = [0] * len(requests)
+            groups.setdefault((o.sampler, o.penalties), []).append(b)
+        chosen: list[Choice] = [Choice(0)] * len(requests)
         for rows in groups.values():
-            sampler = requests[rows[0]].options.sampler
+            options = requests[rows[0]].options
+            scores = logits[rows]  # (n, V)
+            if options.penalties.active:
+                scores = options.penalties(scores, *_history([requests[b] for b in rows], scores.shape[-1]))
             seeds = torch.tensor([requests[b].seed for b in rows])  # (n,)
             steps = torch.tensor([requests[b].generated for b in rows])  # (n,)
-            for b, token in zip(rows, sampler(logits[rows], seeds, steps).tolist(), strict=True):
-                chosen[b] = token
+            tokens = options.sampler(scores, seeds, steps).tolist()
+            for i, (b, token) in enumerate(zip(rows, tokens, strict=True)):
+                k = requests[b].options.logprobs
+                chosen[b] = Choice(token) if k is None else _logprobs(scores[i], token, k)
         return chosen
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A request's next token, with its log-probability and the ``top`` most likely tokens' when asked for."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def _logprobs(scores: Tensor, token: int, k: int) -> Choice:
+    """The chosen token's log-softmax and the k most likely tokens', from one row's scores (V,)."""
+    logp = scores.double().log_softmax(dim=-1)  # (V,)
+    values, ids = logp.topk(k) if k else (logp[:0], logp[:0].long())  # (k,)
+    return Choice(token, float(logp[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
+
+
+def _history(requests: list[Request], vocab_size: int) -> tuple[Tensor, Tensor]:
+    """(counts, seen) (n, V): each request's answer tokens counted, and its prompt's and answer's tokens."""
+    counts = torch.zeros(len(requests), vocab_size)  # (n, V)
+    seen = torch.zeros(len(requests), vocab_size, dtype=torch.bool)  # (n, V)
+    for i, request in enumerate(requests):
+        answer = torch.tensor(request.tokens[len(request.prompt) :], dtype=torch.long)
+        counts[i] = torch.bincount(answer, minlength=vocab_size).float()
+        seen[i, torch.tensor(request.tokens, dtype=torch.long)] = True
+    return counts, seen
