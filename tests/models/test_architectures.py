@@ -22,16 +22,16 @@ WINDOW = 4
 
 
 def test_every_architecture_is_registered_by_its_model_file() -> None:
-    assert registered() == ("llama", "gemma3", "qwen2", "qwen3")
+    assert registered() == ("llama", "gemma3", "gemma2", "phi3", "qwen2", "qwen3")
     assert lookup("llama", "x.gguf").model is LlamaModel and lookup("qwen2", "x.gguf").model is Qwen2Model
 
 
 def test_an_unregistered_architecture_lists_the_registered_ones_and_what_a_registration_needs() -> None:
-    with pytest.raises(ValueError, match=r"x.gguf: architecture 'phi3' is not supported \(general.architecture\); "
-                                         r"supported: llama, gemma3, qwen2, qwen3; a registration .*needs the "
+    with pytest.raises(ValueError, match=r"x.gguf: architecture 'falcon' is not supported \(general.architecture\); "
+                                         r"supported: llama, gemma3, gemma2, phi3, qwen2, qwen3; a registration .*needs the "
                                          r"architecture's config reader, where each block parameter lies in the "
                                          r"file and its DecoderModel class"):
-        lookup("phi3", "x.gguf")
+        lookup("falcon", "x.gguf")
     with pytest.raises(ValueError, match=r"architecture None is not supported"):
         lookup(None, "x.gguf")  # a file without general.architecture
 

@@ -24,7 +24,9 @@ RMSNorm (llama.cpp's converter stored Gemma's ``1 + w``) and the tensor
 checks of :mod:`attnkit.models.registry`, where this file registers
 ``gemma3``. What the file does not say is llama.cpp's: the layer pattern,
 the local rotary base (unless ``gemma3.rope.freq_base_swa`` gives it), the
-query scale and the embedding scale.
+query scale and the embedding scale. Gemma 2 (:mod:`attnkit.models.gemma2`)
+shares the sandwich block (:class:`SandwichBlock`) and the layout of local and
+global layers (:class:`GemmaDecoder`).
 
 Legend: B batch, T tokens, C model width, I feed-forward width, V vocabulary,
 H query heads, G key/value heads, D head dim.
@@ -89,18 +91,19 @@ class Gemma3Config:
 
     def __post_init__(self) -> None:
         """Sizes that cannot describe a model are refused by field name."""
+        kind = type(self).__name__  # Gemma3Config, or Gemma2Config
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size",
                      "context_length", "window", "global_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Gemma3Config {name}={value!r} cannot describe a model: expected an integer >= 1")
+                raise ValueError(f"{kind} {name}={value!r} cannot describe a model: expected an integer >= 1")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"Gemma3Config num_heads={self.num_heads} is not a multiple of "
+            raise ValueError(f"{kind} num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"Gemma3Config head_dim={self.head_dim} must be even for the rotary embedding")
+            raise ValueError(f"{kind} head_dim={self.head_dim} must be even for the rotary embedding")
         if self.window > self.context_length:
-            raise ValueError(f"Gemma3Config window={self.window} is larger than context_length="
+            raise ValueError(f"{kind} window={self.window} is larger than context_length="
                              f"{self.context_length}")
 
     def is_global(self, layer: int) -> bool:
@@ -113,20 +116,18 @@ def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-class Gemma3Block(nn.Module):
-    """Sandwich-norm block: x + norm(attention(norm(x))), then x + norm(GeGLU(norm(x)))."""
+class SandwichBlock(nn.Module):
+    """Gemma's block: x + norm(attention(norm(x))), then x + norm(GeGLU(norm(x))); the attention layer is given
+    (Gemma 3's with q/k norms, Gemma 2's with soft-capped scores)."""
 
-    def __init__(self, config: Gemma3Config, rope: RotaryEmbedding, window: int | None) -> None:
+    def __init__(self, d_model: int, ffn_size: int, eps: float, attention: MultiHeadAttention) -> None:
         super().__init__()
-        c, d, eps = config.d_model, config.head_dim, config.norm_eps
-        heads = Heads(config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=d, scale=config.query_scale)
-        self.attention_norm = RMSNorm(c, eps=eps)
-        self.attention = MultiHeadAttention(c, c, heads, rope=rope, window=window, out_bias=False,
-                                            qk_norm=QKNorm(RMSNorm(d, eps=eps), RMSNorm(d, eps=eps)))
-        self.post_attention_norm = RMSNorm(c, eps=eps)
-        self.mlp_norm = RMSNorm(c, eps=eps)
-        self.mlp = GatedMLP(c, config.ffn_size, gelu_tanh)  # GeGLU
-        self.post_mlp_norm = RMSNorm(c, eps=eps)
+        self.attention_norm = RMSNorm(d_model, eps=eps)
+        self.attention = attention
+        self.post_attention_norm = RMSNorm(d_model, eps=eps)
+        self.mlp_norm = RMSNorm(d_model, eps=eps)
+        self.mlp = GatedMLP(d_model, ffn_size, gelu_tanh)  # GeGLU
+        self.post_mlp_norm = RMSNorm(d_model, eps=eps)
 
     def forward(self, x: Tensor, context: StepContext, kv_cache: Cache | None) -> Tensor:
         h = self.attention(self.attention_norm(x), context=context, kv_cache=kv_cache)
@@ -134,7 +135,43 @@ class Gemma3Block(nn.Module):
         return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
 
 
-class Gemma3Model(DecoderModel):
+class Gemma3Block(SandwichBlock):
+    """Gemma 3's sandwich block: heads of their own size and scale, an RMSNorm of each query and key head."""
+
+    def __init__(self, config: Gemma3Config, rope: RotaryEmbedding, window: int | None) -> None:
+        c, d, eps = config.d_model, config.head_dim, config.norm_eps
+        heads = Heads(config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=d, scale=config.query_scale)
+        attention = MultiHeadAttention(c, c, heads, rope=rope, window=window, out_bias=False,
+                                       qk_norm=QKNorm(RMSNorm(d, eps=eps), RMSNorm(d, eps=eps)))
+        super().__init__(c, config.ffn_size, eps, attention)
+
+
+class GemmaDecoder(DecoderModel):
+    """What Gemma 2 and Gemma 3 share: local and global layers (``config.is_global``), one rotary embedding
+    per kind shared by its layers, token vectors times sqrt(width). A subclass makes its block."""
+
+    config: Gemma3Config
+
+    def __init__(self, config: Gemma3Config, tokenizer: Tokenizer | None = None) -> None:
+        d = config.head_dim
+        local = RotaryEmbedding(d, base=config.rope_local_base)  # one per kind, shared by its layers
+        full = RotaryEmbedding(d, base=config.rope_base, scaling=config.rope_scaling)
+        blocks = [self.make_block(config, full, None) if config.is_global(i) else
+                  self.make_block(config, local, config.window) for i in range(config.num_layers)]
+        super().__init__(config, blocks, tokenizer)
+
+    @classmethod
+    def make_block(cls, config: Gemma3Config, rope: RotaryEmbedding, window: int | None) -> nn.Module:
+        """One block, attending within ``window`` (None: the whole past) with ``rope``."""
+        raise NotImplementedError
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """The embedding's rows times sqrt(width), the factor rounded to the activation dtype as Gemma's is."""
+        x = self.embed(input_ids)  # (B, T) -> (B, T, C)
+        return x * x.new_tensor(math.sqrt(self.config.d_model))
+
+
+class Gemma3Model(GemmaDecoder):
     """A Gemma 3 decoder: token ids in, logits out; with a tokenizer, text in and out.
 
     ``forward(input_ids, attention_mask=None, kv_caches=None, positions=None)``
@@ -143,21 +180,11 @@ class Gemma3Model(DecoderModel):
     the first global one (``config.is_global(i)``).
     """
 
-    config: Gemma3Config
     accurate_forms = ACCURATE_FORMS
 
-    def __init__(self, config: Gemma3Config, tokenizer: Tokenizer | None = None) -> None:
-        d = config.head_dim
-        local = RotaryEmbedding(d, base=config.rope_local_base)  # one per kind, shared by its layers
-        full = RotaryEmbedding(d, base=config.rope_base, scaling=config.rope_scaling)
-        blocks = [Gemma3Block(config, full, None) if config.is_global(i) else Gemma3Block(config, local, config.window)
-                  for i in range(config.num_layers)]
-        super().__init__(config, blocks, tokenizer)
-
-    def embed_tokens(self, input_ids: Tensor) -> Tensor:
-        """The embedding's rows times sqrt(width), the factor rounded to the activation dtype as Gemma's is."""
-        x = self.embed(input_ids)  # (B, T) -> (B, T, C)
-        return x * x.new_tensor(math.sqrt(self.config.d_model))
+    @classmethod
+    def make_block(cls, config: Gemma3Config, rope: RotaryEmbedding, window: int | None) -> nn.Module:
+        return Gemma3Block(config, rope, window)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "llama3": (_LLAMA3,), "llama-v3": (_LLAMA3,), "llama-bpe": (_LLAMA3,),
     "qwen2": (_QWEN2,),
 }
-_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>")
+_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>",
+               "<|end|>")  # <|end|>: Phi-3's end of a turn (its eos is <|endoftext|>)
 
 
 def _check_text(text: str) -> None:
