@@ -209,12 +209,19 @@ class MiniLM(nn.Module):
         off whatever the model's mode (the mode is restored after).
         """
         batch = self.tokenize(texts, truncate=truncate, limit=self.max_seq_length)
+        return self.embed_ids(batch["input_ids"], batch["attention_mask"])
+
+    @torch.no_grad()
+    def embed_ids(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Sentence embeddings (B, C) of token ids (B, T) with their mask (1 = real token; [CLS] and [SEP]
+        included, as the tokenizer adds them): the mean of the real tokens' states, scaled to unit length,
+        dropout off whatever the model's mode (the mode is restored after)."""
         training = self.training
         try:
-            hidden = self.eval()(batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, T, C)
+            hidden = self.eval()(input_ids, attention_mask=attention_mask)  # (B, T, C)
         finally:
             self.train(training)
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T) -> (B, T, 1)
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T) -> (B, T, 1)
         mean = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1e-9)  # (B, T, C) -> (B, C)
         return F.normalize(mean, p=2, dim=-1)
 

