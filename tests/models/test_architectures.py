@@ -28,9 +28,9 @@ def test_every_architecture_is_registered_by_its_model_file() -> None:
 
 def test_an_unregistered_architecture_lists_the_registered_ones_and_what_a_registration_needs() -> None:
     with pytest.raises(ValueError, match=r"x.gguf: architecture 'falcon' is not supported \(general.architecture\); "
-                                         r"supported: llama, gemma3, gemma2, phi3, qwen2, qwen3; a registration .*needs the "
-                                         r"architecture's config reader, where each block parameter lies in the "
-                                         r"file and its DecoderModel class"):
+                                         r"supported: llama, gemma3, gemma2, phi3, qwen2, qwen3; a registration "
+                                         r".*needs the architecture's config reader, where each block parameter "
+                                         r"lies in the file and its DecoderModel class"):
         lookup("falcon", "x.gguf")
     with pytest.raises(ValueError, match=r"architecture None is not supported"):
         lookup(None, "x.gguf")  # a file without general.architecture

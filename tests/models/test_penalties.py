@@ -73,7 +73,7 @@ def test_left_padding_is_not_a_seen_token() -> None:
     model = _model()
     prompt = [3, 7, 9, 4]
     alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, stop_ids=[], repetition_penalty=5.0)
-    ids = torch.tensor([[0, 0] + prompt, [5, 6, 8, 2, 1, 9]])
+    ids = torch.tensor([[0, 0, *prompt], [5, 6, 8, 2, 1, 9]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
     batch = model.generate(ids, mask, max_new_tokens=6, stop_ids=[], repetition_penalty=5.0)
     assert batch[0, 6:].tolist() == alone[0, 4:].tolist()
@@ -115,5 +115,5 @@ def test_bad_penalties_and_logprobs_are_refused_by_name(options: dict[str, Any],
 
 
 def test_generate_refuses_logprobs_it_cannot_return() -> None:
-    with pytest.raises(ValueError, match="logprobs=2: generate.. returns token ids only"):
+    with pytest.raises(ValueError, match=r"logprobs=2: generate\(\) returns token ids only"):
         _model().generate(torch.tensor([[1, 2]]), max_new_tokens=2, logprobs=2)

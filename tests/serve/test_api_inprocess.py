@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from attnkit.models.generation_options import GenerationOptions
 from attnkit.serve import Engine
 from tests._util import need
-from tests.serve.test_engine import Words, _engine, _model
+from tests.serve.test_engine import Words, _decode, _engine, _model
 
 need("fastapi")
 testclient = need("fastapi.testclient")
@@ -49,6 +50,8 @@ COMPLETION = {"model": "tiny", "prompt": "one two three", "max_tokens": 2}
     ("/v1/chat/completions", {**CHAT, "temperature": 2, "seed": 1}),  # the top of OpenAI's range
     ("/v1/chat/completions", {**CHAT, "top_p": 0}),  # the bottom of OpenAI's range: greedy
     ("/v1/chat/completions", {**CHAT, "logprobs": False}),
+    ("/v1/completions", {**COMPLETION, "logprobs": 0}),  # the chosen tokens' only
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": -2, "presence_penalty": 2, "repetition_penalty": 1.1}),
     ("/v1/chat/completions", {**CHAT, "prompt": None}),  # another endpoint's field, but null
 ])
 def test_what_openai_accepts_is_accepted(client: Any, route: str, body: dict[str, Any]) -> None:
@@ -59,8 +62,13 @@ def test_what_openai_accepts_is_accepted(client: Any, route: str, body: dict[str
 
 
 @pytest.mark.parametrize(("route", "body", "param", "says"), [
-    ("/v1/completions", {**COMPLETION, "logprobs": 0}, "logprobs", "not supported"),  # 0 == False slipped through
-    ("/v1/chat/completions", {**CHAT, "logprobs": 0}, "logprobs", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 0}, "logprobs", "expected a boolean"),  # 0 == False
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "got 21"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 6}, "logprobs", "must be in [0, 5], got 6"),
+    ("/v1/completions", {**COMPLETION, "top_logprobs": 2}, "top_logprobs", "belongs to /v1/chat/completions"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": 2.5}, "frequency_penalty", "must be in [-2, 2], got 2.5"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 0}, "repetition_penalty", "must be > 0"),
     ("/v1/chat/completions", {**CHAT, "prompt": "four five"}, "prompt", "belongs to /v1/completions"),
     ("/v1/completions", {**COMPLETION, "messages": CHAT["messages"]}, "messages", "belongs to /v1/chat"),
     ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, "temperature", "must be in [0, 2], got 2.5"),
@@ -325,3 +333,46 @@ def test_usage_and_metrics_count_the_stop_token_alike() -> None:
     assert events[-1].finish_reason == "stop"
     assert sum(len(e.token_ids) for e in events) == 1
     assert engine.metrics()["generated_tokens_total"] == 2  # one per request, each counted once
+
+
+def _reference_logprobs(prompt: list[int], n: int) -> list[torch.Tensor]:
+    """Greedy log-softmax rows (V,) of the tiny model, token by token (float64)."""
+    model, tokens, rows = _model(), list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            row = model(torch.tensor([tokens]))[0, -1].log_softmax(dim=-1)  # (V,)
+        rows.append(row)
+        tokens.append(int(row.argmax()))
+    return rows
+
+
+def test_chat_logprobs_are_the_models_log_softmax_in_openais_shape(client: Any) -> None:
+    body = {**CHAT, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    content = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    rows = _reference_logprobs(Words().encode("one two three"), 3)
+    assert len(content) == 3
+    for entry, row in zip(content, rows, strict=True):
+        top = row.topk(2)
+        assert entry["token"] == _decode([int(top.indices[0])]) and entry["bytes"] == list(entry["token"].encode())
+        torch.testing.assert_close(entry["logprob"], float(top.values[0]), atol=1e-9, rtol=0)
+        assert [t["token"] for t in entry["top_logprobs"]] == [_decode([int(i)]) for i in top.indices]
+        torch.testing.assert_close([t["logprob"] for t in entry["top_logprobs"]], top.values.tolist(), atol=1e-9,
+                                   rtol=0)
+
+
+def test_completion_logprobs_streamed_and_not_agree(client: Any) -> None:
+    body = {**COMPLETION, "max_tokens": 3, "temperature": 0, "logprobs": 1}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    rows = _reference_logprobs(Words().encode("one two three"), 3)
+    assert whole["logprobs"]["tokens"] == [_decode([int(row.argmax())]) for row in rows]
+    torch.testing.assert_close(whole["logprobs"]["token_logprobs"], [float(row.max()) for row in rows], atol=1e-9,
+                               rtol=0)
+    tokens = whole["logprobs"]["tokens"]
+    assert whole["logprobs"]["text_offset"] == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
+    assert "".join(tokens) == whole["text"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    pieces = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [t for p in pieces for t in p["tokens"]] == whole["logprobs"]["tokens"]
+    assert [o for p in pieces for o in p["text_offset"]] == whole["logprobs"]["text_offset"]
+    assert [lp for p in pieces for lp in p["top_logprobs"]] == whole["logprobs"]["top_logprobs"]

@@ -18,6 +18,7 @@ line on the ``attnkit.serve.access`` logger (:class:`AccessLog`).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import secrets
@@ -34,9 +35,12 @@ from attnkit.models.generation_options import GenerationOptions
 from .checks import (
     APIError,
     bad,
+    chat_logprobs,
+    completion_logprobs,
     embeddings_only,
     integer,
     no_such_model,
+    penalties,
     refuse_other_endpoints_field,
     refuse_unsupported,
     route_error,
@@ -45,6 +49,7 @@ from .checks import (
     too_long,
 )
 from .engine import Engine, EngineError, Event, QueueFullError
+from .runner import Choice
 
 if TYPE_CHECKING:
     from .embeddings import Embedder
@@ -106,7 +111,8 @@ class Server:
 
     # -- checking a request ------------------------------------------------------------------------------------
 
-    def _params(self, body: Mapping[str, Any], prompt_len: int, source: str) -> GenerationOptions:
+    def _params(self, body: Mapping[str, Any], prompt_len: int, source: str, logprobs: int | None
+                ) -> GenerationOptions:
         """The sampling options, with OpenAI's defaults (temperature 1, max_tokens the room left); ``source`` is
         the field the prompt came from ("messages" or "prompt")."""
         refuse_unsupported(body)
@@ -130,9 +136,12 @@ class Server:
                              f"window is {self.context_length} and the KV memory {self.engine.capacity} positions; "
                              f"ask for at most {room}")
         temperature, top_p = sampling(body)
+        frequency, presence, repetition = penalties(body)
         seed = integer(body, "seed", -(2**63), 2**63 - 1)
         return GenerationOptions(max_new_tokens=min(limit or room, room), temperature=temperature, top_p=top_p,
-                                 seed=None if seed is None else seed % 2**62, stop=stops(body))
+                                 seed=None if seed is None else seed % 2**62, stop=stops(body), logprobs=logprobs,
+                                 frequency_penalty=frequency, presence_penalty=presence,
+                                 repetition_penalty=repetition)
 
     def _flags(self, body: Mapping[str, Any]) -> tuple[bool, bool]:
         stream = body.get("stream", False)
@@ -172,7 +181,8 @@ class Server:
         except ValueError as err:
             raise bad("messages", str(err)) from err
         stream, usage = self._flags(body)
-        return Parsed(prompt, self._params(body, len(prompt), "messages"), stream, usage, "messages")
+        options = self._params(body, len(prompt), "messages", chat_logprobs(body))
+        return Parsed(prompt, options, stream, usage, "messages")
 
     def parse_completion(self, body: Mapping[str, Any]) -> Parsed:
         self._decoder("/v1/completions")
@@ -187,7 +197,8 @@ class Server:
         except ValueError as err:
             raise bad("prompt", str(err)) from err
         stream, usage = self._flags(body)
-        return Parsed(ids, self._params(body, len(ids), "prompt"), stream, usage, "prompt")
+        options = self._params(body, len(ids), "prompt", completion_logprobs(body))
+        return Parsed(ids, options, stream, usage, "prompt")
 
     # -- running it --------------------------------------------------------------------------------------------
 
@@ -218,6 +229,26 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _chat_logprobs(server: Server, choices: list[Choice]) -> dict[str, Any]:
+    """The chat API's logprobs of these tokens: each token's text, log-probability and UTF-8 bytes, with its
+    top alternatives'."""
+    def entry(token: int, logprob: float | None) -> dict[str, Any]:
+        text = server.engine.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(c.token, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top]}
+                        for c in choices], "refusal": None}
+
+
+def _completion_logprobs(server: Server, choices: list[Choice], offset: int) -> dict[str, Any]:
+    """The completions API's logprobs: tokens, their log-probabilities, {token: logprob} of the top
+    alternatives, and where each token's text starts in the answer (from ``offset``)."""
+    tokens = [server.engine.decode([c.token]) for c in choices]
+    return {"tokens": tokens, "token_logprobs": [c.logprob for c in choices],
+            "top_logprobs": [{server.engine.decode([t]): lp for t, lp in c.top} for c in choices],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))}
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -229,8 +260,9 @@ async def _cancel_when_gone(engine: Engine, seq: Any, receive: Callable[[], Any]
     engine.cancel(seq)
 
 
-async def _collect(server: Server, parsed: Parsed, receive: Callable[[], Any]) -> tuple[str, str, dict[str, Any]]:
-    """Run a request to its end: (text, finish_reason, usage).
+async def _collect(server: Server, parsed: Parsed, receive: Callable[[], Any]
+                   ) -> tuple[str, str, dict[str, Any], list[Choice]]:
+    """Run a request to its end: (text, finish_reason, usage, the logprobs of its text's tokens).
 
     Meanwhile a watcher awaits the client's disconnect (``receive``: the request's ASGI receive), however
     often events arrive; if it comes, the engine cancels the request at its next step, freeing its blocks,
@@ -238,25 +270,27 @@ async def _collect(server: Server, parsed: Parsed, receive: Callable[[], Any]) -
     """
     seq, queue = server.submit(parsed)
     watcher = asyncio.ensure_future(_cancel_when_gone(server.engine, seq, receive))
-    text, tokens = [], 0
+    text, tokens, logprobs = [], 0, []
     try:
         while True:
             event = await queue.get()
             text.append(event.text)
             tokens += len(event.token_ids)
+            logprobs += event.logprobs
             if event.error:
                 raise APIError(500, event.error, kind="server_error", code="engine_error")
             if event.finish_reason == "cancelled":
                 raise APIError(499, "the client closed the request before its answer was complete",
                                code="client_closed_request")
             if event.finish_reason:
-                return "".join(text), event.finish_reason, _usage(len(parsed.prompt), tokens, seq.cached_tokens)
+                usage = _usage(len(parsed.prompt), tokens, seq.cached_tokens)
+                return "".join(text), event.finish_reason, usage, logprobs
     finally:
         watcher.cancel()
         server.engine.cancel(seq)  # a no-op once it finished
 
 
-def _stream(server: Server, parsed: Parsed, make_chunk: Callable[[str, str | None, bool], dict[str, Any]],
+def _stream(server: Server, parsed: Parsed, make_chunk: Callable[[str, str | None, bool, list[Choice]], dict[str, Any]],
             usage_chunk: Callable[[dict[str, Any]], dict[str, Any]], state: Any) -> AsyncIterator[str]:
     """Submit now (a refusal is still an HTTP error), then stream the request's server-sent events; ``state``
     (the request's) gets the usage at the end, for the access log."""
@@ -265,12 +299,12 @@ def _stream(server: Server, parsed: Parsed, make_chunk: Callable[[str, str | Non
 
 
 async def _events(server: Server, parsed: Parsed, seq: Any, queue: asyncio.Queue[Event],
-                  make_chunk: Callable[[str, str | None, bool], dict[str, Any]],
+                  make_chunk: Callable[[str, str | None, bool, list[Choice]], dict[str, Any]],
                   usage_chunk: Callable[[dict[str, Any]], dict[str, Any]], state: Any) -> AsyncIterator[str]:
     """Server-sent events of one request; the engine cancels it if the client goes away (GeneratorExit)."""
     tokens = 0
     try:
-        yield _sse(make_chunk("", None, True))
+        yield _sse(make_chunk("", None, True, []))
         while True:
             event = await queue.get()
             tokens += len(event.token_ids)
@@ -278,11 +312,11 @@ async def _events(server: Server, parsed: Parsed, seq: Any, queue: asyncio.Queue
                 yield _sse({"error": {"message": event.error, "type": "server_error", "param": None,
                                       "code": "engine_error"}})
                 break
-            if event.text:
-                yield _sse(make_chunk(event.text, None, False))
+            if event.text or event.logprobs:
+                yield _sse(make_chunk(event.text, None, False, event.logprobs))
             if event.finish_reason:
                 reason = "length" if event.finish_reason == "length" else "stop"
-                yield _sse(make_chunk("", reason, False))
+                yield _sse(make_chunk("", reason, False, []))
                 if parsed.include_usage:
                     yield _sse(usage_chunk(_usage(len(parsed.prompt), tokens, seq.cached_tokens)))
                 break
@@ -389,11 +423,13 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
         parsed = server.parse_chat(await read_json(request))
         rid, created = ids("chatcmpl")
         base = {"id": rid, "created": created, "model": server.model_name, "system_fingerprint": None}
+        wanted = parsed.params.logprobs is not None
         if parsed.stream:
-            def chunk(text: str, reason: str | None, first: bool) -> dict[str, Any]:
+            def chunk(text: str, reason: str | None, first: bool, logprobs: list[Choice]) -> dict[str, Any]:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                lp = _chat_logprobs(server, logprobs) if wanted and logprobs else None
                 out = {**base, "object": "chat.completion.chunk",
-                       "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                       "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
                 return {**out, "usage": None} if parsed.include_usage else out
 
             def usage(u: dict[str, Any]) -> dict[str, Any]:
@@ -401,10 +437,11 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
 
             return responses.StreamingResponse(_stream(server, parsed, chunk, usage, request.state),
                                                media_type="text/event-stream")
-        text, reason, request.state.usage = await _collect(server, parsed, request.receive)
+        text, reason, request.state.usage, logprobs = await _collect(server, parsed, request.receive)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                             "logprobs": None, "finish_reason": "length" if reason == "length" else "stop"}],
+                             "logprobs": _chat_logprobs(server, logprobs) if wanted else None,
+                             "finish_reason": "length" if reason == "length" else "stop"}],
                 "usage": request.state.usage}
 
     @app.post("/v1/completions")
@@ -412,10 +449,14 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
         parsed = server.parse_completion(await read_json(request))
         rid, created = ids("cmpl")
         base = {"id": rid, "created": created, "model": server.model_name, "system_fingerprint": None}
+        wanted, offset = parsed.params.logprobs is not None, 0
         if parsed.stream:
-            def chunk(text: str, reason: str | None, first: bool) -> dict[str, Any]:
+            def chunk(text: str, reason: str | None, first: bool, logprobs: list[Choice]) -> dict[str, Any]:
+                nonlocal offset
+                lp = _completion_logprobs(server, logprobs, offset) if wanted and logprobs else None
+                offset += len(text)
                 out = {**base, "object": "text_completion",
-                       "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+                       "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}]}
                 return {**out, "usage": None} if parsed.include_usage else out
 
             def usage(u: dict[str, Any]) -> dict[str, Any]:
@@ -423,9 +464,10 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
 
             return responses.StreamingResponse(_stream(server, parsed, chunk, usage, request.state),
                                                media_type="text/event-stream")
-        text, reason, request.state.usage = await _collect(server, parsed, request.receive)
+        text, reason, request.state.usage, logprobs = await _collect(server, parsed, request.receive)
         return {**base, "object": "text_completion",
-                "choices": [{"index": 0, "text": text, "logprobs": None,
+                "choices": [{"index": 0, "text": text,
+                             "logprobs": _completion_logprobs(server, logprobs, 0) if wanted else None,
                              "finish_reason": "length" if reason == "length" else "stop"}],
                 "usage": request.state.usage}
 

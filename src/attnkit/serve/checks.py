@@ -13,12 +13,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from attnkit.models.generation_options import MAX_LOGPROBS
+
 MAX_STOPS = 4
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's most alternatives per token (OpenAI's limit)
 
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
            "stream_options", "n", "user", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
            "logit_bias", "metadata", "store", "service_tier", "parallel_tool_calls", "tools", "tool_choice",
-           "response_format", "echo", "suffix", "best_of", "prompt", "messages"}
+           "response_format", "echo", "suffix", "best_of", "prompt", "messages", "repetition_penalty"}
 
 
 class APIError(Exception):
@@ -96,13 +99,7 @@ def refuse_unsupported(body: Mapping[str, Any]) -> None:
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise bad("n", f"only n=1 is supported, got {json.dumps(n)}")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name, 0) not in (0, 0.0, None):
-            raise bad(name, "is not supported (only 0)")
-    logprobs = body.get("logprobs")  # chat's false, not completions' 0 (0 == False: compared by identity)
-    if logprobs is not None and logprobs is not False:
-        raise bad("logprobs", "is not supported by this server")
-    for name in ("tools", "logit_bias", "echo", "suffix", "top_logprobs"):
+    for name in ("tools", "logit_bias", "echo", "suffix"):
         if body.get(name) not in (None, False, [], {}, ""):
             raise bad(name, "is not supported by this server")
     response_format = body.get("response_format")
@@ -111,6 +108,40 @@ def refuse_unsupported(body: Mapping[str, Any]) -> None:
                                       f"{json.dumps(response_format)}")
     if body.get("best_of", 1) not in (1, None):
         raise bad("best_of", "only 1 is supported")
+
+
+def penalties(body: Mapping[str, Any]) -> tuple[float, float, float]:
+    """(frequency, presence, repetition): OpenAI's frequency and presence penalties in [-2, 2] (default 0),
+    and vLLM's / llama.cpp's repetition_penalty (> 0, default 1 = off)."""
+    found = []
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = _number(body, name)
+        if value is not None and not -2 <= value <= 2:
+            raise bad(name, f"must be in [-2, 2], got {value}")
+        found.append(0.0 if value is None else value)
+    repetition = _number(body, "repetition_penalty")
+    if repetition is not None and not repetition > 0:
+        raise bad("repetition_penalty", f"must be > 0 (1 = off), got {repetition}")
+    return found[0], found[1], 1.0 if repetition is None else repetition
+
+
+def chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """The chat API's ``logprobs`` (a boolean) and ``top_logprobs`` (0 to 20): alternatives per token, or None."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad("logprobs", f"expected a boolean (the chat API's; top_logprobs gives the number), got "
+                              f"{json.dumps(logprobs)}")
+    top = integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad("top_logprobs", "needs logprobs: true")
+    return (top or 0) if logprobs else None
+
+
+def completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """The completions API's ``logprobs``: a number of alternatives per token (0 to 5), or None."""
+    if body.get("top_logprobs") is not None:
+        raise bad("top_logprobs", "belongs to /v1/chat/completions; this endpoint takes logprobs as a number")
+    return integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
 
 
 def sampling(body: Mapping[str, Any]) -> tuple[float, float | None]:
