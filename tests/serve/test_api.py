@@ -96,6 +96,25 @@ def test_text_completion_and_its_stream(client: Any) -> None:
     assert pieces[-1].choices[0].finish_reason == "length"
 
 
+def test_n_logprobs_and_penalties_through_the_openai_client(client: Any) -> None:
+    """The official client parses n choices, chat logprobs and completion logprobs; a repetition penalty
+    changes a looping greedy answer (SmolLM2 repeats itself without one)."""
+    messages = [{"role": "user", "content": "List the days of the week."}]
+    reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=6, temperature=0.8,
+                                           seed=1, n=2, logprobs=True, top_logprobs=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    for choice in reply.choices:
+        content = choice.logprobs.content
+        assert "".join(t.token for t in content) == choice.message.content
+        assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    text = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=6, temperature=0, logprobs=1)
+    assert "".join(text.choices[0].logprobs.tokens) == text.choices[0].text
+    plain = client.completions.create(model="smollm2", prompt="the the the", max_tokens=12, temperature=0)
+    penalised = client.completions.create(model="smollm2", prompt="the the the", max_tokens=12, temperature=0,
+                                          extra_body={"repetition_penalty": 1.3})
+    assert penalised.choices[0].text != plain.choices[0].text
+
+
 def test_streaming_chat_is_openai_shaped(client: Any) -> None:
     stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hi."}],
                                             temperature=0, max_tokens=10, stream=True,
@@ -182,7 +201,7 @@ BAD = [
     ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400, "top_p"),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}, 400, "stop"),
-    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n"),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400, "frobnicate"),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "messages"),

@@ -76,8 +76,9 @@ def test_what_openai_accepts_is_accepted(client: Any, route: str, body: dict[str
     ("/v1/chat/completions", {**CHAT, "top_p": -0.1}, "top_p", "must be in [0, 1], got -0.1"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",
      'only {"type": "text"} is supported (plain text), got {"type": "json_object"}'),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, "n", "only n=1 is supported, got 2"),
-    ("/v1/chat/completions", {**CHAT, "n": True}, "n", "only n=1 is supported, got true"),
+    ("/v1/chat/completions", {**CHAT, "n": 9}, "n", "must be in [1, 8], got 9"),
+    ("/v1/chat/completions", {**CHAT, "n": True}, "n", "expected an integer, got true"),
+    ("/v1/completions", {**COMPLETION, "n": 0}, "n", "must be in [1, 8], got 0"),
 ])
 def test_what_the_server_cannot_honour_is_refused_naming_the_field(client: Any, route: str, body: dict[str, Any],
                                                                    param: str, says: str) -> None:
@@ -376,3 +377,44 @@ def test_completion_logprobs_streamed_and_not_agree(client: Any) -> None:
     assert [t for p in pieces for t in p["tokens"]] == whole["logprobs"]["tokens"]
     assert [o for p in pieces for o in p["text_offset"]] == whole["logprobs"]["text_offset"]
     assert [lp for p in pieces for lp in p["top_logprobs"]] == whole["logprobs"]["top_logprobs"]
+
+
+def test_n_answers_are_the_single_answers_of_seeds_seed_plus_i(client: Any) -> None:
+    """n choices: one prompt, choice i sampled as a request of seed + i alone; usage counts the prompt once."""
+    body = {**COMPLETION, "prompt": "one two three four five six seven", "max_tokens": 6, "temperature": 2,
+            "presence_penalty": 2, "frequency_penalty": 2}  # the tiny model's answers vary only so
+    many = client.post("/v1/completions", json={**body, "n": 3, "seed": 5}).json()
+    alone = [client.post("/v1/completions", json={**body, "seed": 5 + i}).json() for i in range(3)]
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in many["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert len({c["text"] for c in many["choices"]}) > 1  # three seeds, not one answer three times
+    assert many["usage"]["prompt_tokens"] == 7
+    assert many["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+
+
+def test_n_streamed_chunks_name_their_choice(client: Any) -> None:
+    body = {**CHAT, "max_tokens": 4, "temperature": 2, "seed": 2, "n": 2, "presence_penalty": 2}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts, reasons = ["", ""], [None, None]
+    for c in chunks:
+        (choice,) = c["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    assert texts == [c["message"]["content"] for c in whole["choices"]]
+    assert reasons == [c["finish_reason"] for c in whole["choices"]]
+
+
+def test_n_prefills_the_prompt_once() -> None:
+    """The n choices share the prompt's full blocks: the prefix cache serves all but the first."""
+    engine = _engine(_model())
+    engine.start()
+    try:
+        client = testclient.TestClient(create_app(_server(engine)))
+        body = {**COMPLETION, "prompt": " ".join(["one", "two", "three"] * 4), "n": 4, "temperature": 1.0}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        metrics = engine.metrics()
+    finally:
+        engine.shutdown()
+    assert metrics["prefix_cache_hit_tokens_total"] == 3 * 8  # three choices reuse two full blocks of four

@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from html import escape
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,7 @@ from .checks import (
     APIError,
     bad,
     chat_logprobs,
+    choices,
     completion_logprobs,
     embeddings_only,
     integer,
@@ -72,6 +73,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     source: str  # the request field the prompt came from: "messages" or "prompt"
+    n: int = 1  # answers sampled from the prompt
 
 
 class Server:
@@ -182,7 +184,7 @@ class Server:
             raise bad("messages", str(err)) from err
         stream, usage = self._flags(body)
         options = self._params(body, len(prompt), "messages", chat_logprobs(body))
-        return Parsed(prompt, options, stream, usage, "messages")
+        return Parsed(prompt, options, stream, usage, "messages", choices(body))
 
     def parse_completion(self, body: Mapping[str, Any]) -> Parsed:
         self._decoder("/v1/completions")
@@ -198,28 +200,39 @@ class Server:
             raise bad("prompt", str(err)) from err
         stream, usage = self._flags(body)
         options = self._params(body, len(ids), "prompt", completion_logprobs(body))
-        return Parsed(ids, options, stream, usage, "prompt")
+        return Parsed(ids, options, stream, usage, "prompt", choices(body))
 
     # -- running it --------------------------------------------------------------------------------------------
 
-    def submit(self, parsed: Parsed) -> tuple[Any, asyncio.Queue[Event]]:
-        """Queue a checked request; its events arrive on the returned asyncio queue."""
+    def submit(self, parsed: Parsed) -> tuple[list[Any], asyncio.Queue[tuple[int, Event]]]:
+        """Queue a checked request's ``n`` choices (choice i seeded ``seed + i``); their events arrive on the
+        returned asyncio queue as (choice index, event). Identical prompts share their prefix's KV blocks, so the
+        prompt is prefilled once."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        seqs: list[Any] = []
+        seed = parsed.params.seed  # an int or None: the API's seed field
 
-        def on_event(event: Event) -> None:  # called in the engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+        def on_event(index: int) -> Callable[[Event], None]:
+            def put(event: Event) -> None:  # called in the engine thread
+                loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+            return put
 
         try:
-            seq = self.engine.submit(parsed.prompt, parsed.params, on_event)
-        except QueueFullError as err:
-            raise APIError(429, f"The server is busy ({err}); retry later", code="rate_limit_exceeded",
-                           kind="rate_limit_error", headers={"Retry-After": "1"}) from err
-        except EngineError as err:
-            raise APIError(503, str(err), kind="server_error", code="engine_error") from err
-        except ValueError as err:
+            for i in range(parsed.n):
+                options = parsed.params if i == 0 or not isinstance(seed, int) else replace(
+                    parsed.params, seed=(seed + i) % 2**62)
+                seqs.append(self.engine.submit(parsed.prompt, options, on_event(i)))
+        except (EngineError, ValueError) as err:
+            for seq in seqs:
+                self.engine.cancel(seq)
+            if isinstance(err, QueueFullError):
+                raise APIError(429, f"The server is busy ({err}); retry later", code="rate_limit_exceeded",
+                               kind="rate_limit_error", headers={"Retry-After": "1"}) from err
+            if isinstance(err, EngineError):
+                raise APIError(503, str(err), kind="server_error", code="engine_error") from err
             raise bad(parsed.source, str(err)) from err
-        return seq, queue
+        return seqs, queue
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -253,77 +266,93 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _cancel_when_gone(engine: Engine, seq: Any, receive: Callable[[], Any]) -> None:
-    """Cancel ``seq`` in the engine once its client has gone (ASGI's ``http.disconnect``)."""
+async def _cancel_when_gone(engine: Engine, seqs: list[Any], receive: Callable[[], Any]) -> None:
+    """Cancel ``seqs`` in the engine once their client has gone (ASGI's ``http.disconnect``)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    engine.cancel(seq)
+    for seq in seqs:
+        engine.cancel(seq)
+
+
+@dataclass
+class Answer:
+    """One choice's answer: its text, finish reason and the logprobs of its text's tokens."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[Choice] = field(default_factory=list)
 
 
 async def _collect(server: Server, parsed: Parsed, receive: Callable[[], Any]
-                   ) -> tuple[str, str, dict[str, Any], list[Choice]]:
-    """Run a request to its end: (text, finish_reason, usage, the logprobs of its text's tokens).
+                   ) -> tuple[list[Answer], dict[str, Any]]:
+    """Run a request's choices to their end: (an :class:`Answer` per choice, usage).
 
     Meanwhile a watcher awaits the client's disconnect (``receive``: the request's ASGI receive), however
     often events arrive; if it comes, the engine cancels the request at its next step, freeing its blocks,
     and this raises a 499 that nobody reads but the access log.
     """
-    seq, queue = server.submit(parsed)
-    watcher = asyncio.ensure_future(_cancel_when_gone(server.engine, seq, receive))
-    text, tokens, logprobs = [], 0, []
+    seqs, queue = server.submit(parsed)
+    watcher = asyncio.ensure_future(_cancel_when_gone(server.engine, seqs, receive))
+    answers, tokens = [Answer() for _ in seqs], 0
     try:
-        while True:
-            event = await queue.get()
-            text.append(event.text)
+        while any(a.finish_reason is None for a in answers):
+            index, event = await queue.get()
+            answer = answers[index]
+            answer.text += event.text
+            answer.logprobs += event.logprobs
             tokens += len(event.token_ids)
-            logprobs += event.logprobs
             if event.error:
                 raise APIError(500, event.error, kind="server_error", code="engine_error")
             if event.finish_reason == "cancelled":
                 raise APIError(499, "the client closed the request before its answer was complete",
                                code="client_closed_request")
-            if event.finish_reason:
-                usage = _usage(len(parsed.prompt), tokens, seq.cached_tokens)
-                return "".join(text), event.finish_reason, usage, logprobs
+            answer.finish_reason = event.finish_reason
+        return answers, _usage(len(parsed.prompt), tokens, seqs[0].cached_tokens)
     finally:
         watcher.cancel()
-        server.engine.cancel(seq)  # a no-op once it finished
+        for seq in seqs:
+            server.engine.cancel(seq)  # a no-op once it finished
 
 
-def _stream(server: Server, parsed: Parsed, make_chunk: Callable[[str, str | None, bool, list[Choice]], dict[str, Any]],
-            usage_chunk: Callable[[dict[str, Any]], dict[str, Any]], state: Any) -> AsyncIterator[str]:
+Chunk = Callable[[int, str, str | None, bool, list[Choice]], dict[str, Any]]  # (index, text, reason, first, lps)
+
+
+def _stream(server: Server, parsed: Parsed, make_chunk: Chunk, usage_chunk: Callable[[dict[str, Any]], dict[str, Any]],
+            state: Any) -> AsyncIterator[str]:
     """Submit now (a refusal is still an HTTP error), then stream the request's server-sent events; ``state``
     (the request's) gets the usage at the end, for the access log."""
-    seq, queue = server.submit(parsed)
-    return _events(server, parsed, seq, queue, make_chunk, usage_chunk, state)
+    seqs, queue = server.submit(parsed)
+    return _events(server, parsed, seqs, queue, make_chunk, usage_chunk, state)
 
 
-async def _events(server: Server, parsed: Parsed, seq: Any, queue: asyncio.Queue[Event],
-                  make_chunk: Callable[[str, str | None, bool, list[Choice]], dict[str, Any]],
-                  usage_chunk: Callable[[dict[str, Any]], dict[str, Any]], state: Any) -> AsyncIterator[str]:
-    """Server-sent events of one request; the engine cancels it if the client goes away (GeneratorExit)."""
-    tokens = 0
+async def _events(server: Server, parsed: Parsed, seqs: list[Any], queue: asyncio.Queue[tuple[int, Event]],
+                  make_chunk: Chunk, usage_chunk: Callable[[dict[str, Any]], dict[str, Any]],
+                  state: Any) -> AsyncIterator[str]:
+    """Server-sent events of a request's choices, each chunk naming its choice's index; the engine cancels
+    every choice if the client goes away (GeneratorExit)."""
+    tokens, running = 0, set(range(len(seqs)))
     try:
-        yield _sse(make_chunk("", None, True, []))
-        while True:
-            event = await queue.get()
+        for i in range(len(seqs)):
+            yield _sse(make_chunk(i, "", None, True, []))
+        while running:
+            index, event = await queue.get()
             tokens += len(event.token_ids)
             if event.error:
                 yield _sse({"error": {"message": event.error, "type": "server_error", "param": None,
                                       "code": "engine_error"}})
                 break
             if event.text or event.logprobs:
-                yield _sse(make_chunk(event.text, None, False, event.logprobs))
+                yield _sse(make_chunk(index, event.text, None, False, event.logprobs))
             if event.finish_reason:
-                reason = "length" if event.finish_reason == "length" else "stop"
-                yield _sse(make_chunk("", reason, False, []))
-                if parsed.include_usage:
-                    yield _sse(usage_chunk(_usage(len(parsed.prompt), tokens, seq.cached_tokens)))
-                break
+                running.discard(index)
+                yield _sse(make_chunk(index, "", "length" if event.finish_reason == "length" else "stop", False, []))
+        if not running and parsed.include_usage:
+            yield _sse(usage_chunk(_usage(len(parsed.prompt), tokens, seqs[0].cached_tokens)))
         yield "data: [DONE]\n\n"
     finally:
-        state.usage = _usage(len(parsed.prompt), tokens, seq.cached_tokens)
-        server.engine.cancel(seq)  # a no-op once it finished; frees its blocks if the client left
+        state.usage = _usage(len(parsed.prompt), tokens, seqs[0].cached_tokens)
+        for seq in seqs:
+            server.engine.cancel(seq)  # a no-op once it finished; frees its blocks if the client left
 
 
 class AccessLog:
@@ -425,11 +454,12 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
         base = {"id": rid, "created": created, "model": server.model_name, "system_fingerprint": None}
         wanted = parsed.params.logprobs is not None
         if parsed.stream:
-            def chunk(text: str, reason: str | None, first: bool, logprobs: list[Choice]) -> dict[str, Any]:
+            def chunk(index: int, text: str, reason: str | None, first: bool, logprobs: list[Choice]
+                      ) -> dict[str, Any]:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
                 lp = _chat_logprobs(server, logprobs) if wanted and logprobs else None
                 out = {**base, "object": "chat.completion.chunk",
-                       "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
+                       "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
                 return {**out, "usage": None} if parsed.include_usage else out
 
             def usage(u: dict[str, Any]) -> dict[str, Any]:
@@ -437,11 +467,12 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
 
             return responses.StreamingResponse(_stream(server, parsed, chunk, usage, request.state),
                                                media_type="text/event-stream")
-        text, reason, request.state.usage, logprobs = await _collect(server, parsed, request.receive)
+        answers, request.state.usage = await _collect(server, parsed, request.receive)
         return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                             "logprobs": _chat_logprobs(server, logprobs) if wanted else None,
-                             "finish_reason": "length" if reason == "length" else "stop"}],
+                "choices": [{"index": i, "message": {"role": "assistant", "content": a.text, "refusal": None},
+                             "logprobs": _chat_logprobs(server, a.logprobs) if wanted else None,
+                             "finish_reason": "length" if a.finish_reason == "length" else "stop"}
+                            for i, a in enumerate(answers)],
                 "usage": request.state.usage}
 
     @app.post("/v1/completions")
@@ -449,14 +480,14 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
         parsed = server.parse_completion(await read_json(request))
         rid, created = ids("cmpl")
         base = {"id": rid, "created": created, "model": server.model_name, "system_fingerprint": None}
-        wanted, offset = parsed.params.logprobs is not None, 0
+        wanted, offsets = parsed.params.logprobs is not None, [0] * parsed.n
         if parsed.stream:
-            def chunk(text: str, reason: str | None, first: bool, logprobs: list[Choice]) -> dict[str, Any]:
-                nonlocal offset
-                lp = _completion_logprobs(server, logprobs, offset) if wanted and logprobs else None
-                offset += len(text)
+            def chunk(index: int, text: str, reason: str | None, first: bool, logprobs: list[Choice]
+                      ) -> dict[str, Any]:
+                lp = _completion_logprobs(server, logprobs, offsets[index]) if wanted and logprobs else None
+                offsets[index] += len(text)
                 out = {**base, "object": "text_completion",
-                       "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}]}
+                       "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": reason}]}
                 return {**out, "usage": None} if parsed.include_usage else out
 
             def usage(u: dict[str, Any]) -> dict[str, Any]:
@@ -464,11 +495,12 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
 
             return responses.StreamingResponse(_stream(server, parsed, chunk, usage, request.state),
                                                media_type="text/event-stream")
-        text, reason, request.state.usage, logprobs = await _collect(server, parsed, request.receive)
+        answers, request.state.usage = await _collect(server, parsed, request.receive)
         return {**base, "object": "text_completion",
-                "choices": [{"index": 0, "text": text,
-                             "logprobs": _completion_logprobs(server, logprobs, 0) if wanted else None,
-                             "finish_reason": "length" if reason == "length" else "stop"}],
+                "choices": [{"index": i, "text": a.text,
+                             "logprobs": _completion_logprobs(server, a.logprobs, 0) if wanted else None,
+                             "finish_reason": "length" if a.finish_reason == "length" else "stop"}
+                            for i, a in enumerate(answers)],
                 "usage": request.state.usage}
 
     @app.post("/v1/embeddings")

@@ -16,6 +16,7 @@ from typing import Any
 from attnkit.models.generation_options import MAX_LOGPROBS
 
 MAX_STOPS = 4
+MAX_CHOICES = 8  # the most answers (n) one request may ask for
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's most alternatives per token (OpenAI's limit)
 
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
@@ -96,9 +97,6 @@ def refuse_unsupported(body: Mapping[str, Any]) -> None:
     unknown = sorted(set(body) - _COMMON)
     if unknown:
         raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise bad("n", f"only n=1 is supported, got {json.dumps(n)}")
     for name in ("tools", "logit_bias", "echo", "suffix"):
         if body.get(name) not in (None, False, [], {}, ""):
             raise bad(name, "is not supported by this server")
@@ -108,6 +106,11 @@ def refuse_unsupported(body: Mapping[str, Any]) -> None:
                                       f"{json.dumps(response_format)}")
     if body.get("best_of", 1) not in (1, None):
         raise bad("best_of", "only 1 is supported")
+
+
+def choices(body: Mapping[str, Any]) -> int:
+    """``n``: how many answers to sample from the one prompt, 1 to :data:`MAX_CHOICES`."""
+    return integer(body, "n", 1, MAX_CHOICES) or 1
 
 
 def penalties(body: Mapping[str, Any]) -> tuple[float, float, float]:
