@@ -7,7 +7,6 @@ import warnings
 import pytest
 import torch
 
-from attnkit import _cpu
 from attnkit._cpu import SlowDtypeWarning, cpu_capability, has_fast_bfloat16, warn_if_slow_dtype
 
 
@@ -71,4 +70,4 @@ def test_a_pytorch_without_the_feature_checks_counts_them_absent(monkeypatch: py
 
 def test_cpu_capability_is_pytorchs() -> None:
     assert cpu_capability() == torch.backends.cpu.get_cpu_capability()
-    assert isinstance(_cpu.SlowDtypeWarning("x"), UserWarning)  # RuntimeWarnings are errors under pytest
+    assert isinstance(SlowDtypeWarning("x"), UserWarning)  # RuntimeWarnings are errors under pytest

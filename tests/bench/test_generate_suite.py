@@ -10,9 +10,11 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NoReturn
 
 import pytest
 import torch
@@ -27,9 +29,9 @@ from attnkit.bench.generate import (
     generate_targets,
     plot,
     prompt_ids,
+    rounds,
     run_generate_suite,
 )
-from attnkit.bench.generate import _rounds as rounds
 from attnkit.bench.generate_contenders import GEMMA3_LENGTHS
 from tests._util import need
 from tests.models._decoder import need_smollm2, smollm2
@@ -174,22 +176,34 @@ def test_an_int8_cache_contender_generates_with_kv_dtype_int8_and_loads_its_form
     assert [kw["kv_dtype"] for kw in calls] == ["int8", None]
 
 
-def test_a_compiled_contender_runs_the_compiled_step_and_warms_up_on_the_case_itself(
-        monkeypatch: pytest.MonkeyPatch):
-    """Its graph is made for the case's cache size: a short warm-up would leave the compilation in the timing."""
-    import attnkit.models.generation as generation
+def _tiny_smollm2(monkeypatch: pytest.MonkeyPatch, path: Path, load: Callable[[str, torch.dtype], object]) -> None:
+    """The suite's "smollm2" reads a tiny Llama file at ``path`` (its tokenizer, its context) and loads with
+    ``load(form, dtype)``."""
     from attnkit.bench import generate
+    from tests.models._decoder import write_tiny_llama
+
+    write_tiny_llama(path, context=128)
+    monkeypatch.setitem(generate.MODELS, "smollm2", replace(MODELS["smollm2"], path=lambda: path, load=load))
+
+
+def test_a_compiled_contender_runs_the_compiled_step_and_warms_up_on_the_case_itself(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Its graph is made for the case's cache size: a short warm-up would leave the compilation in the timing."""
+    need("gguf")
+    import attnkit.models.generation as generation
 
     calls = []
-
+    loaded: list[str] = []
+    _tiny_smollm2(monkeypatch, tmp_path / "tiny.gguf", lambda form, dtype: loaded.append(form) or object())
     monkeypatch.setattr(generation, "generate_steps", lambda model, ids, **kw: calls.append((ids.shape, kw)) or
                         iter([0, 1, 2]))
-    suite = GenerateSuite(forms=(), compiled=("int4",), lengths=(16,), batch=0, new_tokens=3, repeats=1,
-                          transformers=False, llamacpp=(), memory=False)
-    contender = generate.Attnkit(model=None, compile=True)
-    generate._single_rows({"attnkit-int4-compiled": contender}, list(range(16)), suite, lambda _: None)
-    assert [shape for shape, _ in calls] == [(1, 16), (1, 16)]  # the warm-up is the case itself
+    rows = run_generate_suite(GenerateSuite(forms=(), compiled=("int4",), lengths=(16,), batch=0, new_tokens=3,
+                                            repeats=1, transformers=False, llamacpp=(), memory=False))
+    assert loaded == ["int4"]
+    assert [shape for shape, _ in calls] == [(1, 16), (1, 16)]  # the warm-up is the case itself, then one round
     assert all(kw["compile"] is True for _, kw in calls)
+    (one,) = [r for r in rows if r["kind"] == "batch 1"]
+    assert one["contender"] == "attnkit-int4-compiled" and one["context"] == 16
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -256,21 +270,25 @@ def test_a_fresh_process_measurement_counts_from_the_given_start():
     assert result["generate_peak_mib"] >= result["loaded_rss_mib"] > 0
 
 
-def test_missing_transformers_is_skipped_with_a_row_before_anything_loads(monkeypatch: pytest.MonkeyPatch):
+def test_missing_transformers_is_skipped_with_a_row_before_anything_loads(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path):
     """It aborted the run while loading contenders; now a skipped row says how to install it or leave it out."""
-    from attnkit.bench import generate
+    need("gguf")
+    from attnkit.models import load_gguf
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # CI has no llama.cpp: a run without it asked for none
-    monkeypatch.setattr(generate, "_tokenizer", lambda spec: (None, 8192))
-    loaded: list[list[str]] = []
-    monkeypatch.setattr(generate, "_timed_rows", lambda names, *_: loaded.append(names) or [])
-    rows = generate._run(GenerateSuite(forms=("float32",), lengths=(8,), batch=0, new_tokens=3, repeats=1,
-                                       llamacpp=(), memory=False), lambda _: None)
+    loaded: list[str] = []
+    path = tmp_path / "tiny.gguf"
+    _tiny_smollm2(monkeypatch, path, lambda form, dtype: loaded.append(form) or load_gguf(path, weights=form))
+    rows = run_generate_suite(GenerateSuite(forms=("float32",), lengths=(8,), batch=0, new_tokens=3, repeats=1,
+                                            llamacpp=(), memory=False))
+    assert [r["kind"] for r in rows][:3] == ["env", "skipped", "bound"]  # the skip said before the timed rows
     (skipped,) = [r for r in rows if r["kind"] == "skipped"]
     assert skipped["contender"] == "transformers-float32"
     assert "pip install 'attnkit[hf]'" in skipped["reason"] and "--no-transformers" in skipped["reason"]
-    assert loaded == [["attnkit-float32"]] and rows[0]["transformers"] == "not installed"
+    assert loaded == ["float32"] and rows[0]["transformers"] == "not installed"  # attnkit's contender alone ran
+    assert [r["contender"] for r in rows if r["kind"] == "batch 1"] == ["attnkit-float32"]
     assert rows[0]["llama_cpp"] == "not run"
 
 
@@ -300,11 +318,9 @@ def test_tiny_run_end_to_end_with_llama_cpp_missing(monkeypatch: pytest.MonkeyPa
     """attnkit float32 only, 8-token prompt, 3 new tokens, one round: every kind of row, the skip, the targets."""
     need_smollm2()
     import attnkit.models
-    from attnkit.bench import generate
 
     model = smollm2()  # loaded once per session
     monkeypatch.setattr(attnkit.models, "load_smollm2", lambda **_: model)
-    monkeypatch.setattr(generate, "_tokenizer", lambda spec: (model.tokenizer, model.context_length))
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     rows = run_generate_suite(GenerateSuite(forms=("float32",), lengths=(8,), batch=2, new_tokens=3, repeats=1,
                                             transformers=False, llamacpp=("off",), memory=False))
@@ -471,10 +487,10 @@ def test_a_cuda_suite_built_directly_is_refused_cpu_measurements_and_a_cpu_one_a
 def test_a_cuda_run_without_cuda_says_so_before_any_work(monkeypatch: pytest.MonkeyPatch):
     from attnkit.bench import generate
 
-    def no_work(spec: object) -> None:
-        raise AssertionError("the model file was read before the device was checked")
+    def no_work(*_: object) -> NoReturn:
+        raise AssertionError("the model file was read or loaded before the device was checked")
 
-    monkeypatch.setattr(generate, "_tokenizer", no_work)
+    monkeypatch.setitem(generate.MODELS, "smollm2", replace(MODELS["smollm2"], path=no_work, load=no_work))
     with pytest.raises(ValueError, match=re.escape("--device cuda: this torch") + ".*sees no CUDA device"):
         run_generate_suite(GenerateSuite.for_model("smollm2", device="cuda", dtype="bfloat16"))
 

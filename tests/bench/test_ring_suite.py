@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnkit.bench import ring
-from attnkit.bench.ring import _summarise, memory_slope_rows, memory_slopes, run_ring_suite
+from attnkit.bench.ring import memory_slope_rows, memory_slopes, run_ring_suite, summarise
 
 
 def _row(p: int, mib: float, t: int = 4096) -> dict:
@@ -29,7 +29,7 @@ def test_memory_slope_is_the_log_log_fit_against_p():
 def test_summary_takes_the_largest_rank_and_the_compute_imbalance():
     per_rank = [dict(T=64, P=2, mode="forward", layout="contiguous", rank=r, time_s=t, compute_s=c, wait_s=w,
                      peak_mib=m) for r, t, c, w, m in ((0, 1.0, 0.5, 0.5, 10.0), (1, 1.2, 1.5, 0.0, 12.0))]
-    (row,) = _summarise(per_rank)
+    (row,) = summarise(per_rank)
     assert row["time_ms"] == pytest.approx(1200) and row["peak_mib_per_rank"] == 12.0
     assert row["compute_ms"] == [500.0, 1500.0] and row["wait_ms"] == [500.0, 0.0]
     assert row["imbalance"] == pytest.approx(1.5)  # max / mean of 0.5 and 1.5

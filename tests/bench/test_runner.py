@@ -37,7 +37,7 @@ def test_estimates_follow_the_mode_that_materialises():
 
 def test_plot_styles_tell_every_contender_apart():
     drawn = cases.EVERY_LAYER + cases.DECODERS  # the decode panel sits beside the layer panels
-    styles = [report._style(name) for name in drawn]
+    styles = [report.plot_style(name) for name in drawn]
     assert len({(s["color"], s["marker"]) for s in styles}) == len(drawn)
     assert len({s["color"] for s in styles}) == len(cases.EVERY_LAYER)
 

@@ -24,7 +24,7 @@ def _reference(layer, x, dtype):
     """float64 attention of every position over keys and values rounded to ``dtype`` after rotation."""
     with torch.no_grad():
         q, k, v = layer.project(x)  # (B, H, T, D), (B, G, T, D), (B, G, T, D)
-        q, k = layer._rotate(q, k, 0)
+        q, k = layer.rope(q, k)  # rotated at positions 0 .. T - 1
         k, v = (t.to(dtype).double() for t in (k, v))  # what the cache holds
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))  # (B, G, T, D) -> (B, H, T, D)
         t = x.shape[1]

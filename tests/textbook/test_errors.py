@@ -110,15 +110,16 @@ def test_float64_input_to_a_float32_layer_names_both_dtypes(layer):
     assert layer.double()(tb.book_inputs(torch.float64)).dtype == torch.float64
 
 
-def test_finiteness_pass_is_skipped_off_the_cpu_unless_asked():
-    """check_input ran a full isfinite pass (a device sync off the CPU) on every forward."""
-    from attnkit.textbook._checks import check_input
-
+@pytest.mark.parametrize("make", [
+    lambda: tb.SelfAttention_v1(3, 2), lambda: tb.SelfAttention_v2(3, 2), lambda: tb.CausalAttention(3, 2, 6, 0.0),
+    lambda: tb.MultiHeadAttention(3, 4, 6, 0.0, 2), lambda: tb.PerHeadAttention(3, 2, 2),
+    lambda: tb.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2),
+])
+def test_finiteness_pass_runs_on_the_cpu_only(make, monkeypatch: pytest.MonkeyPatch):
+    """The input check ran a full isfinite pass (a device sync off the CPU) on every forward."""
+    layer = make()
     x = tb.book_inputs()
     x[0, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"non-finite"):
-        check_input(x, 3)  # on the CPU: checked by default
-    assert check_input(x, 3, finite=False).shape == (1, 6, 3)
     seen = []
     real_isfinite = torch.isfinite
 
@@ -126,11 +127,10 @@ def test_finiteness_pass_is_skipped_off_the_cpu_unless_asked():
         seen.append(t.device.type)
         return real_isfinite(t)
 
-    torch.isfinite = spy
-    try:
-        check_input(torch.full((6, 3), float("nan"), device="meta"), 3)
-        with pytest.raises(ValueError, match=r"non-finite"):
-            check_input(x, 3, finite=True)
-    finally:
-        torch.isfinite = real_isfinite
-    assert seen == ["cpu", "cpu"]  # not for the meta tensor (any non-CPU device), twice for finite=True's count
+    monkeypatch.setattr(torch, "isfinite", spy)
+    with pytest.raises(ValueError, match=r"x contains 1 non-finite value\(s\) \(nan or inf\)"):
+        layer(x)  # on the CPU: checked
+    assert seen and set(seen) == {"cpu"}
+    seen.clear()
+    out = layer.to("meta")(torch.full((6, 3), float("nan"), device="meta"))
+    assert out.device.type == "meta" and out.shape[0] == 6 and seen == []  # off the CPU: no pass over x

@@ -86,7 +86,7 @@ from .options import Options, add_suite_options, check_device
 from .runner import cpu_record, torch_threads
 
 __all__ = ["MODELS", "BenchModel", "GenerateSuite", "format_rows", "gemma3_targets", "generate_targets", "plot",
-           "run_generate_suite"]
+           "rounds", "run_generate_suite"]
 
 Row = dict[str, Any]
 BATCH_PROMPT = 64  # tokens per prompt of the batched case
@@ -276,9 +276,10 @@ def _check_generate_options(options: Options) -> None:
                          f"leave --warmup out, got --warmup {options.warmup}")
 
 
-def _rounds(contenders: dict[str, C], run: Callable[[C], R], repeats: int, say: Callable[[str], None],
-            label: str) -> dict[str, list[R]]:
-    """``run(contender)`` for every contender, ``repeats`` rounds, the order rotating each round."""
+def rounds(contenders: dict[str, C], run: Callable[[C], R], repeats: int, say: Callable[[str], None],
+           label: str) -> dict[str, list[R]]:
+    """``run(contender)`` for every contender, ``repeats`` rounds, the order rotating each round (so no contender
+    always runs first); each run is announced to ``say`` under ``label``. Results by contender, in round order."""
     names = list(contenders)
     out: dict[str, list[R]] = {name: [] for name in names}
     for r in range(repeats):
@@ -306,7 +307,7 @@ def _single_rows(contenders: dict[str, Contender], ids: list[int], suite: Genera
     n, t = suite.new_tokens, len(ids)
     for contender in contenders.values():  # warm-up: one short run each (compiled, GPU: the case)
         contender.single(*((ids, n) if _warm_on_case(contender, suite) else (ids[:8], 2)))
-    runs = _rounds(contenders, lambda c: c.single(ids, n), suite.repeats, say, f"batch 1, T={t}")
+    runs = rounds(contenders, lambda c: c.single(ids, n), suite.repeats, say, f"batch 1, T={t}")
     return [{"kind": "batch 1", "contender": name, "context": t, "new_tokens": n,
              "ttft_s": round(statistics.median(first for first, _ in results), 4),
              "prefill_tokens_per_s": statistics.median(t / first for first, _ in results),
@@ -320,7 +321,7 @@ def _batch_rows(contenders: dict[str, Contender], prompts: list[list[int]], suit
     b, n = len(prompts), suite.new_tokens
     for contender in contenders.values():
         contender.batch(*((prompts, n) if _warm_on_case(contender, suite) else ([p[:8] for p in prompts], 2)))
-    runs = _rounds(contenders, lambda c: c.batch(prompts, n), suite.repeats, say, f"batch {b}")
+    runs = rounds(contenders, lambda c: c.batch(prompts, n), suite.repeats, say, f"batch {b}")
     return [{"kind": "batched", "contender": name, "batch": b, "prompt_len": len(prompts[0]), "new_tokens": n,
              "how": "one after another" if name.startswith("llama.cpp") else "batched",
              "seconds": round(statistics.median(results), 3),
@@ -350,7 +351,7 @@ def _process_rows(names: list[str], tokenizer: Any, suite: GenerateSuite, say: C
     """Load time and memory per contender: medians of ``repeats`` fresh processes each, interleaved."""
     ids, n = prompt_ids(tokenizer, 16), 8
     commands = {name: _process_command(suite.model, name, suite.threads, ids, n) for name in names}
-    runs = _rounds(commands, llamacpp.run_measurement, suite.repeats, say, "load and memory (a fresh process each)")
+    runs = rounds(commands, llamacpp.run_measurement, suite.repeats, say, "load and memory (a fresh process each)")
     rows = []
     for name, results in runs.items():
         fields = [k for k in results[0] if k != "peak_reset"]

@@ -263,8 +263,9 @@ _MARKERS = "os^vDP*Xh<>pd8"
 _STYLED = EVERY_LAYER + DECODERS  # the contenders plot() draws, each styled apart
 
 
-def _style(contender: str) -> dict[str, Any]:
-    """A colour and marker fixed per contender (the same in every plot); attnkit's default drawn heavier."""
+def plot_style(contender: str) -> dict[str, Any]:
+    """Keyword arguments of ``Axes.plot`` for ``contender``: a colour and marker fixed per contender (the same in
+    every plot, no two of the contenders :func:`plot` draws alike); attnkit's default drawn heavier."""
     i = _STYLED.index(contender) if contender in _STYLED else len(_STYLED)
     if contender == "attnkit":
         return {"color": "black", "marker": "o", "linewidth": 2.5, "markersize": 5, "zorder": 3}
@@ -291,7 +292,7 @@ def _draw_lines(ax: Any, series: dict[str, list[tuple[int, float]]]) -> None:
     """Each contender's values against T, on a log T axis."""
     for contender, points in sorted(series.items()):
         xs, ys = zip(*sorted(points), strict=True)
-        ax.plot(xs, ys, label=contender, **_style(contender))
+        ax.plot(xs, ys, label=contender, **plot_style(contender))
     ax.set_xscale("log")
 
 
@@ -299,7 +300,7 @@ def _draw_dots(ax: Any, series: dict[str, list[tuple[int, float]]]) -> None:
     """One length only: a dot per contender, side by side (on a T axis they would sit on one line and hide)."""
     names = sorted(series)
     for i, contender in enumerate(names):
-        ax.plot([i], [series[contender][0][1]], label=contender, **_style(contender))
+        ax.plot([i], [series[contender][0][1]], label=contender, **plot_style(contender))
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
     ax.set_xlim(-0.5, len(names) - 0.5)
 

@@ -82,8 +82,10 @@ def _world_worker(rank: int, world: int, seq_lens: Sequence[int], modes: Sequenc
     return rows
 
 
-def _summarise(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (T, P, mode, layout): max over ranks of time and memory, compute imbalance."""
+def summarise(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (T, P, mode, layout) from the ranks' measurements (``time_s``, ``compute_s``, ``wait_s``,
+    ``peak_mib`` each): the slowest rank's time, the largest rank's memory, every rank's compute and wait in
+    milliseconds, and the compute imbalance (max over mean)."""
     keys = sorted({(r["T"], r["P"], r["mode"], r["layout"]) for r in per_rank})
     rows = []
     for t, p, mode, layout in keys:
@@ -120,7 +122,7 @@ def run_ring_suite(*, seq_lens: Sequence[int] = (4096, 8192, 16384), world_sizes
         args = (tuple(seq_lens), tuple(modes), tuple(layouts), d_model, heads, repeats)
         for rows in run_world(_world_worker, world, args=args, timeout_s=timeout_s, pg_timeout_s=600, threads=1):
             per_rank.extend(rows)
-    return _summarise(per_rank)
+    return summarise(per_rank)
 
 
 def memory_slope_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -192,9 +192,10 @@ def _kv_bytes_per_position(dtype_bytes: int) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
-def _offline(clients: int, weights: str, threads: int) -> dict[str, float]:
-    """attnkit's batched generate of the same N prompts in the served weight form, on ``threads`` threads (the
-    servers' count; the caller's is restored after): the ceiling."""
+def offline_ceiling(clients: int, weights: str, threads: int) -> dict[str, float]:
+    """The ceiling: attnkit's batched generate of the same ``clients`` prompts the clients send, in weight form
+    ``weights`` (the served one), on ``threads`` threads (the servers' count; the caller's is restored after).
+    Its output tokens, seconds and tokens/s."""
     from .runner import torch_threads
 
     with torch_threads(threads):
@@ -274,7 +275,7 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
             rows.append({"kind": "serve", **env, "contender": "llama-server", "clients": n, **result,
                          "kv_mib_per_sequence": positions * _kv_bytes_per_position(2) / 2**20})
         rows.append({"kind": "serve", **env, "contender": "attnkit-generate (offline ceiling)", "clients": n,
-                     "weights": weights, **_offline(n, weights, threads)})
+                     "weights": weights, **offline_ceiling(n, weights, threads)})
     return rows + serve_targets(rows)
 
 

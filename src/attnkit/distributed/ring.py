@@ -70,8 +70,13 @@ def _piece_rows(chunk: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Spec:
-    """Static facts of one ring call, identical on every rank (checked before the ring starts)."""
+class RingSpec:
+    """Static facts of one ring call, identical on every rank (checked before the ring starts).
+
+    With :func:`phase`, :func:`hop_tick` and :func:`blocks` it plans the whole
+    schedule without processes: which piece each rank computes at each tick,
+    and which (query chunk, key piece) pairs it computes or skips.
+    """
 
     causal: bool
     scale: float
@@ -98,15 +103,15 @@ class _Spec:
         return [range(i, min(i + rows, size)) for i in range(0, size, rows)]
 
 
-def _tick(index: int, hops: int, world: int, hop_ticks: int) -> int:
+def hop_tick(index: int, hops: int, world: int, hop_ticks: int) -> int:
     """When piece ``index`` makes its ``hops``-th hop: pieces go round in groups of ``hop_ticks``, interleaved."""
     return hop_ticks * world * (index // hop_ticks) + hop_ticks * hops + index % hop_ticks
 
 
-def _phase(tick: int, world: int, num_pieces: int, hop_ticks: int) -> tuple[int, int] | None:
+def phase(tick: int, world: int, num_pieces: int, hop_ticks: int) -> tuple[int, int] | None:
     """(piece j, hops h) that every rank computes at ``tick`` (piece j of rank r - h), or None when idle.
 
-    The inverse of :func:`_tick`: with one tick a hop (the forward pass) piece j
+    The inverse of :func:`hop_tick`: with one tick a hop (the forward pass) piece j
     visits the ranks at ticks jP .. jP + P - 1; with two (the backward pass,
     which sends a piece only after computing it) pieces 2i and 2i + 1 take
     turns over ticks 2iP .. 2iP + 2P - 1.
@@ -120,7 +125,7 @@ def _phase(tick: int, world: int, num_pieces: int, hop_ticks: int) -> tuple[int,
 class _Exchange:
     """Tensors sent to the next rank while the previous one's arrive in ``received`` (empty buffers)."""
 
-    def __init__(self, spec: _Spec, sent: list[Tensor], received: list[Tensor]) -> None:
+    def __init__(self, spec: RingSpec, sent: list[Tensor], received: list[Tensor]) -> None:
         self.received = received
         nxt, prev = spec.peer(1), spec.peer(-1)
         ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, spec.group, tag) for tag, t in enumerate(sent)]
@@ -134,7 +139,7 @@ class _Exchange:
         return self.received
 
 
-def _blocks(spec: _Spec, q: Tensor, src: int, keys: range) -> list[tuple[slice, slice, BlockPlan]]:
+def blocks(spec: RingSpec, q: Tensor, src: int, keys: range) -> list[tuple[slice, slice, BlockPlan]]:
     """(piece columns, local query rows, plan) of each (query chunk, key chunk part) pair not hidden.
 
     A piece of rank ``src`` holds positions ``keys`` of each of its chunks, one
@@ -185,7 +190,7 @@ def _cut(x: Tensor, keys: range, size: int, chunks: int) -> Tensor:
     return parts[0] if chunks == 1 else torch.cat(parts, dim=dim)  # (B, G, C*L, D)
 
 
-def _ring_forward(spec: _Spec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+def _ring_forward(spec: RingSpec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
     """(out (B, H, n, Dv) in the compute dtype, lse (B, H, n), -inf where a query sees no key)."""
     pieces, chunks = spec.pieces(), len(spec.chunks(0))
     size = q.shape[2] // chunks
@@ -196,9 +201,9 @@ def _ring_forward(spec: _Spec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
            torch.full(q.shape[:-1], -torch.inf, dtype=compute, device=q.device))  # (B, H, n): nothing seen yet
     arrived: list[Tensor] = []
     for tick in range(len(pieces) * spec.world):
-        index, hops = _phase(tick, spec.world, len(pieces), 1)  # type: ignore[misc]  # never idle
+        index, hops = phase(tick, spec.world, len(pieces), 1)  # type: ignore[misc]  # never idle
         held = [_cut(x, pieces[index], size, chunks) for x in local] if hops == 0 else arrived
-        following = _phase(tick + 1, spec.world, len(pieces), 1)  # from rank r - 1, unless it is our own
+        following = phase(tick + 1, spec.world, len(pieces), 1)  # from rank r - 1, unless it is our own
         coming = [] if following is None or following[1] == 0 else [
             _buffer(x, chunks * len(pieces[following[0]])) for x in local]
         exchange = _Exchange(spec, held if hops < last else [], coming)
@@ -208,11 +213,11 @@ def _ring_forward(spec: _Spec, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     return acc
 
 
-def _forward_piece(spec: _Spec, q: Tensor, src: int, keys: range, held: list[Tensor],
+def _forward_piece(spec: RingSpec, q: Tensor, src: int, keys: range, held: list[Tensor],
                    acc: tuple[Tensor, Tensor]) -> None:
     """Merge this rank's attention over one piece of rank ``src`` into ``acc`` = (out (B, H, n, Dv), lse (B, H, n))."""
     kp, vp, *mp = held
-    for cols, rows, plan in _blocks(spec, q, src, keys):
+    for cols, rows, plan in blocks(spec, q, src, keys):
         o, s = block_forward(plan, q[:, :, rows], kp[:, :, cols], vp[:, :, cols],
                              _key_mask4(mp[0][:, cols] if mp else None))
         merge_into(acc[0][:, :, rows], acc[1][:, :, rows], o, s)
@@ -236,7 +241,7 @@ class _Queries:
     dcaptured: list[Tensor | None] = field(default_factory=list)
 
 
-def _ring_backward(spec: _Spec, k: Tensor, v: Tensor, mask: Tensor | None, mine: _Queries) -> tuple[Tensor, Tensor]:
+def _ring_backward(spec: RingSpec, k: Tensor, v: Tensor, mask: Tensor | None, mine: _Queries) -> tuple[Tensor, Tensor]:
     """(dk, dv) in the compute dtype, adding into ``mine``'s dq; key / value gradients travel with their
     piece and come home."""
     compute = mine.dq.dtype
@@ -262,12 +267,12 @@ def _ring_backward(spec: _Spec, k: Tensor, v: Tensor, mask: Tensor | None, mine:
 
     done: tuple[int, int, list[Tensor]] | None = None  # computed last tick: sent on (or home) this tick
     arrived: list[Tensor] = []
-    ticks = _tick(len(pieces) - 1, last, spec.world, 2) + (2 if last else 1)  # + the last trip home
+    ticks = hop_tick(len(pieces) - 1, last, spec.world, 2) + (2 if last else 1)  # + the last trip home
     for tick in range(ticks):
-        coming = _phase(tick - 1, spec.world, len(pieces), 2) if last else None  # what rank r - 1 computed
+        coming = phase(tick - 1, spec.world, len(pieces), 2) if last else None  # what rank r - 1 computed
         sent = [] if done is None or not last else done[2] if done[1] < last else done[2][-2:]
         exchange = _Exchange(spec, sent, [] if coming is None else buffers(coming[0], with_keys=coming[1] < last))
-        now = _phase(tick, spec.world, len(pieces), 2)
+        now = phase(tick, spec.world, len(pieces), 2)
         done = None
         if now is not None:
             index, hops = now
@@ -285,11 +290,11 @@ def _ring_backward(spec: _Spec, k: Tensor, v: Tensor, mask: Tensor | None, mine:
     return dk, dv
 
 
-def _backward_piece(spec: _Spec, mine: _Queries, src: int, keys: range, held: list[Tensor]) -> None:
+def _backward_piece(spec: RingSpec, mine: _Queries, src: int, keys: range, held: list[Tensor]) -> None:
     """Add this rank's share of one piece's gradients: into dq (and the captured tensors'), and into the
     piece's own dk, dv (``held`` = the piece's k, v, (key mask,) dk, dv)."""
     kp, vp, *mp, dkp, dvp = held
-    for cols, rows, plan in _blocks(spec, mine.q, src, keys):
+    for cols, rows, plan in blocks(spec, mine.q, src, keys):
         dq_b, dk_b, dv_b, dcaptured = block_gradients(
             plan, mine.q[:, :, rows], kp[:, :, cols], vp[:, :, cols], _key_mask4(mp[0][:, cols] if mp else None),
             mine.dout[:, :, rows], mine.lse[:, :, rows], mine.delta[:, :, rows], mine.captured)
@@ -307,7 +312,7 @@ class _RingFunction(torch.autograd.Function):
     tensors the score modifier closes over, which receive this rank's share of their gradients."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: _Spec,
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: RingSpec,
                 sinks: Tensor | None, *captured: Tensor) -> Tensor:
         out, lse = _ring_forward(spec, q, k, v, mask)
         if sinks is not None:
@@ -397,7 +402,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key
                            rank=rank, world=world, group=group)
     scale = q.shape[-1] ** -0.5 if meta["scale"] is None else meta["scale"]
     length = meta["shard length n"] * world  # T
-    spec = _Spec(causal, scale, layout, rank, world, group, length, _modifiers(q, causal, score_mod, mask_mod, length))
+    mods = _modifiers(q, causal, score_mod, mask_mod, length)
+    spec = RingSpec(causal, scale, layout, rank, world, group, length, mods)
     captured = captured_by(score_mod, q, length) if meta["gradients needed"] else ()
     mask = None if key_mask is None else key_mask.to(torch.uint8)  # bytes travel on every backend
     return _RingFunction.apply(q, k, v, mask, spec, sinks, *captured)
