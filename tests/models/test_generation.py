@@ -463,3 +463,17 @@ def test_a_narrower_cache_under_a_model_that_is_not_float32_is_refused_naming_dt
     with pytest.raises(ValueError, match=r"dtype=torch\.bfloat16 stores a float32 layer's keys in fewer bytes, got "
                                          r"torch\.float64 keys"):
         model.generate(ids, max_new_tokens=2, kv_dtype="bfloat16")
+
+
+def test_a_stream_keeps_the_space_a_sentencepiece_decoder_drops_at_a_text_s_start() -> None:
+    """Bug: " Paris" after a prompt ending in "is" streamed as "Paris" (the decoder strips a text's first space)."""
+    from attnkit.models.text import TextStream
+
+    pieces = {1: "\u2581is", 2: "\u2581Paris", 3: "!"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(pieces[i] for i in ids).replace("\u2581", " ").removeprefix(" ")
+
+    alone, after = TextStream(decode), TextStream(decode, context=[1])
+    assert [alone.add(2), alone.add(3)] == ["Paris", "!"]  # no prompt before it: nothing to keep
+    assert [after.add(2), after.add(3)] == [" Paris", "!"]

@@ -2,13 +2,17 @@
 
 Each builder returns an :class:`Explanation`: the tokens, the walkthrough
 steps, a header, one layer's weights for ``--png`` and every layer's for
-``--html``. The command line only prints and writes them.
+``--html``. The command line only prints and writes them. A real model is a
+packaged one (:func:`explain_model`) or any GGUF file of a registered
+architecture (:func:`explain_gguf`, ``--gguf FILE``).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -27,6 +31,9 @@ SMOLLM2_MAX_TOKENS = 512
 # Gemma 3 270M's records take 2 * 18 layers * 4 heads * 4 bytes = 576 bytes x T^2: 0.6 GB at 1024 tokens, enough
 # to see its local layers' 512-token window slide.
 GEMMA3_MAX_TOKENS = 1024
+# Any other GGUF file: as many tokens as keep its records (2 x layers x heads x 4 bytes x T^2) within 0.6 GB, the
+# budget of both caps above (SmolLM2: 527 tokens, Gemma 3: 1020), and within its context.
+RECORDS_BUDGET_BYTES = 600_000_000
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,30 @@ def _run_decoder(model: Any, text: str, truncate: bool, name: str, cap: int, abo
     return _Traced(name, about, tokens, pieces, recorded, cut)
 
 
+def gguf_max_tokens(num_layers: int, num_heads: int) -> int:
+    """The most tokens ``explain --gguf`` shows a decoder of ``num_layers`` x ``num_heads`` on
+    (:data:`RECORDS_BUDGET_BYTES` of attention records)."""
+    return max(1, math.isqrt(RECORDS_BUDGET_BYTES // (2 * num_layers * num_heads * 4)))
+
+
+def _run_gguf(path: str | Path, text: str, truncate: bool) -> _Traced:
+    """Any registered architecture's GGUF file (float32 weights, as ``generate --gguf`` loads it by default)."""
+    from attnkit.models import load_gguf
+    from attnkit.models.gguf import read_gguf
+
+    metadata = read_gguf(path).metadata
+    model: Any = load_gguf(path)
+    attention = model.layers[0].attention
+    layers, heads = len(model.layers), attention.num_heads
+    arch = str(metadata.get("general.architecture"))
+    name = str(metadata.get("general.name") or Path(path).name)
+    about = (f"{name} ({arch}: {layers} layers x {heads} heads of {attention.head_dim} over "
+             f"{attention.num_kv_heads} key/value heads, hidden {model.config.d_model}) from {path}, on attnkit "
+             "layers")
+    pieces = "byte-level BPE tokens" if metadata.get("tokenizer.ggml.model") == "gpt2" else "SentencePiece tokens"
+    return _run_decoder(model, text, truncate, name, gguf_max_tokens(layers, heads), about, pieces)
+
+
 def _capped_ids(model: Any, text: str, truncate: bool, name: str, cap: int) -> tuple[Tensor, int]:
     """The text's ids (1, T), at most ``cap`` (cut with a warning if ``truncate``, else refused), and how many
     tokens the whole text has.
@@ -163,11 +194,23 @@ MODELS = tuple(_RUNNERS)
 
 def explain_model(model_name: str, text: str | None, *, layer: int = 0, head: int = 0,
                   truncate: bool = False) -> Explanation:
-    """A pretrained model's real tokens and weights: the walkthrough of one layer and head."""
+    """A packaged model's real tokens and weights: the walkthrough of one layer and head."""
     if model_name not in _RUNNERS:
         raise ValueError(f"unknown model {model_name!r}; choose from: {', '.join(MODELS)}")
     text = tb.SENTENCE if text is None else text
-    run = _RUNNERS[model_name](text, truncate)
+    return _explain_run(_RUNNERS[model_name](text, truncate), text, layer, head)
+
+
+def explain_gguf(path: str | Path, text: str | None, *, layer: int = 0, head: int = 0,
+                 truncate: bool = False) -> Explanation:
+    """A GGUF file's model (any registered architecture, :func:`attnkit.models.load_gguf`): the walkthrough of
+    one layer and head on its own tokens and weights, on at most :func:`gguf_max_tokens` tokens."""
+    text = tb.SENTENCE if text is None else text
+    return _explain_run(_run_gguf(path, text, truncate), text, layer, head)
+
+
+def _explain_run(run: _Traced, text: str, layer: int, head: int) -> Explanation:
+    """The walkthrough of ``layer`` and ``head`` of a traced run, each checked against the model."""
     layers = len(run.recorded.records)
     if not 0 <= layer < layers:
         raise ValueError(f"layer {layer} is out of range: {run.name} has layers 0 to {layers - 1}")

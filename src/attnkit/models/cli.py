@@ -70,8 +70,8 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
                    "--dtype bfloat16 the weights stay plain bfloat16")
     p.add_argument("--model", choices=list(MODELS), help="the packaged model (default smollm2): "
                    + "; ".join(f"{name}: {what}" for name, what in MODELS.items()))
-    p.add_argument("--gguf", metavar="FILE", help="a Llama- or Gemma 3-architecture GGUF file instead of a "
-                   "packaged model")
+    p.add_argument("--gguf", metavar="FILE", help="a GGUF file of any registered architecture instead of a "
+                   "packaged model (attnkit models lists what is found)")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16", "int8"], default="float32",
                    help="the dtype the KV cache stores keys and values in (with --cache full and float32 compute; "
                    "default float32): bfloat16 or float16 halve its memory, so twice the context fits; int8 "
@@ -250,7 +250,7 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
                          f"{model.context_length}")
     budget = min(args.max_new_tokens, room)
     prompt = torch.tensor([list(ids)], dtype=torch.long)  # (1, T)
-    stats, text, pieces, last = GenerationStats(), IncrementalDecoder(model.decode), [], -1
+    stats, text, pieces, last = GenerationStats(), IncrementalDecoder(model.decode, ids[-1:]), [], -1
     try:
         steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache,

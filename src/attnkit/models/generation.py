@@ -256,7 +256,8 @@ def stream_text(model: CausalLM, decode: Callable[[list[int]], str], input_ids: 
     """
     if isinstance(input_ids, Tensor) and input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(f"stream() takes one prompt (B = 1), got a batch of {input_ids.shape[0]}")
-    text = TextStream(decode, GenerationOptions.of(options).stop)
+    context = input_ids[0, -1:].tolist() if isinstance(input_ids, Tensor) and input_ids.dim() == 2 else []
+    text = TextStream(decode, GenerationOptions.of(options).stop, context)
     steps = generate_steps(model, input_ids, attention_mask, stats=stats, **{**options, "stop": ()})
     return _pieces(steps, text)
 

@@ -76,6 +76,10 @@ class GGUFFile:
         """The storage type of a tensor, e.g. "Q4_1" or "F32"."""
         return str(self._get(name).tensor_type.name)
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape as stored (GGUF's order, fastest dimension first), without reading its data."""
+        return tuple(int(n) for n in self._get(name).shape)
+
     def _get(self, name: str) -> Any:
         if name not in self._tensors:
             raise ValueError(f"{self.path}: tensor {name!r} is missing from this GGUF file")

@@ -18,12 +18,16 @@ class IncrementalDecoder:
     that drops a leading space at the start of a text still sees what precedes
     the new tokens; text is held back while it ends in an incomplete
     character. Linear in the answer's length.
+
+    ``context``: the ids before the first new one (the prompt's last), decoded
+    only as the first window's start: a SentencePiece decoder drops the space
+    that begins a text, so " Paris" after "is" would come out "Paris" alone.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()) -> None:
         self.decode = decode
-        self.ids: list[int] = []
-        self._start = self._shown = 0  # ids[start:shown] were last returned; ids[shown:] not yet
+        self.ids: list[int] = list(context)
+        self._start, self._shown = 0, len(self.ids)  # ids[start:shown] were last returned; ids[shown:] not yet
 
     def add(self, token: int) -> str:
         """Append one id; the text it completes ("" while a character is incomplete)."""
@@ -46,12 +50,14 @@ class TextStream:
     """New text per token, ended by a stop string: the first match (whatever the order of ``stop``) ends the
     text before it, and text that may be the start of a stop string is held back until it is not.
 
-    ``add`` returns the text that can be shown now; :attr:`stopped` turns True once a stop string appeared
+    ``context``: the prompt's last id (see :class:`IncrementalDecoder`). ``add`` returns the text that can be
+    shown now; :attr:`stopped` turns True once a stop string appeared
     (nothing after it is ever shown); ``flush`` returns what was held back at the end of the answer.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
-        self.text, self.stop = IncrementalDecoder(decode), tuple(stop)
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), context: Sequence[int] = ()
+                 ) -> None:
+        self.text, self.stop = IncrementalDecoder(decode, context), tuple(stop)
         self.held = ""  # text that may be the start of a stop string
         self.stopped = False
 

@@ -15,7 +15,7 @@ Legend: B batch, T tokens.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -91,15 +91,20 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre_tokenizer: 
     return tok
 
 
-def sentencepiece_bpe(tokens: Sequence[str], unknown: str) -> Any:
+def sentencepiece_bpe(tokens: Sequence[str], unknown: str, *, space_prefix: bool = False) -> Any:
     """A ``tokenizers.Tokenizer``: SentencePiece-style BPE (spaces as U+2581, unknown characters as bytes).
 
     As transformers' GGUF converter builds Gemma's: spaces inside tokens
     ("  ") are spelled U+2581, as the text will be; the file has no merges, so
     they are every split of a token into two tokens, best first in the file's
     token order (the scores order a few of Gemma's differently from the merges
-    it learned, transformers found). No text is split before merging and no
-    space is put in front.
+    it learned, transformers found). No text is split before merging.
+
+    ``space_prefix`` (``tokenizer.ggml.add_space_prefix``; Llama 2, Phi-3): a
+    space is put before the text and after every special token, and one
+    leading space is dropped when decoding, as llama.cpp does (and Phi-3's own
+    tokenizer.json: a ``Prepend`` normalizer, applied to each stretch of text
+    between special tokens, and a ``Strip`` decoder). Gemma's files say false.
     """
     tokenizers = require("tokenizers", "The GGUF tokenizer")
     spelled = [t.replace(" ", _SPACE) for t in tokens]
@@ -110,22 +115,40 @@ def sentencepiece_bpe(tokens: Sequence[str], unknown: str) -> Any:
                    if token[:n] in vocab and token[n:] in vocab]
     bpe = tokenizers.models.BPE(vocab=vocab, merges=merges, unk_token=unknown, fuse_unk=True, byte_fallback=True)
     tok = tokenizers.Tokenizer(bpe)
-    tok.normalizer = tokenizers.normalizers.Replace(" ", _SPACE)
-    decoders = tokenizers.decoders
-    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    normalizers, decoders = tokenizers.normalizers, tokenizers.decoders
+    spaces = normalizers.Replace(" ", _SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), spaces]) if space_prefix else spaces
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if space_prefix else steps)
     return tok
 
 
+def _space_prefix(metadata: Mapping[str, Any]) -> bool:
+    """``tokenizer.ggml.add_space_prefix`` of a SentencePiece vocabulary: true where the key is absent, as
+    llama.cpp's ``llama_vocab`` defaults it for SPM (llama.cpp's converter leaves it out of Phi-3 files)."""
+    value = metadata.get("tokenizer.ggml.add_space_prefix", True)
+    if not isinstance(value, bool):
+        raise ValueError(f"tokenizer.ggml.add_space_prefix = {value!r} is not a boolean")
+    return value
+
+
 def _unknown_token(metadata: Mapping[str, Any], tokens: Sequence[str]) -> str:
-    """The unknown token of a SentencePiece vocabulary; no space prefix (``add_space_prefix``) is supported."""
-    if metadata.get("tokenizer.ggml.add_space_prefix", True) is not False:
-        raise ValueError("tokenizer.ggml.add_space_prefix is not false: SentencePiece vocabularies that put a "
-                         "space before the text (Llama 2 style) are not supported; Gemma's (false) are")
+    """The unknown token of a SentencePiece vocabulary, or a ValueError naming the key."""
     unknown = metadata.get("tokenizer.ggml.unknown_token_id")
     if isinstance(unknown, bool) or not isinstance(unknown, int) or not 0 <= unknown < len(tokens):
         raise ValueError(f"tokenizer.ggml.unknown_token_id = {unknown!r} is not a token id in [0, {len(tokens)}): "
                          "a SentencePiece vocabulary needs its unknown token")
     return str(tokens[unknown])
+
+
+def _phi3_rstrip(metadata: Mapping[str, Any], tokens: Sequence[str], token_types: Sequence[int]) -> set[str]:
+    """The tokens after which whitespace is dropped: in Phi-3's SentencePiece vocabulary, its chat tokens (every
+    control or user-defined token but <unk>, <s> and <|endoftext|>, and </s>), as its tokenizer.json marks them
+    ``rstrip`` and llama.cpp sets them (the file does not say); none elsewhere (Phi-4's vocabulary is BPE)."""
+    if metadata.get("general.architecture") != "phi3" or metadata.get("tokenizer.ggml.model") != "llama":
+        return set()
+    marked = {t for t, kind in zip(tokens, token_types, strict=False) if kind in (_CONTROL, _USER_DEFINED)}
+    return (marked | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"}
 
 
 class GGUFTokenizer:
@@ -140,21 +163,25 @@ class GGUFTokenizer:
         add_bos: put bos_id before every text.
         chat_template: a jinja2 template (Hugging Face's convention), or None.
         context_length: the most tokens a text may have.
+        rstrip: special or added tokens that swallow the whitespace after them
+            (Phi-3's chat tokens: ``"<|user|>\nHi"`` is ``<|user|>``, ``Hi``).
     """
 
     def __init__(self, backend: Any, tokens: Sequence[str], token_types: Sequence[int], *, bos_id: int | None,
                  eos_id: int, pad_id: int | None, add_bos: bool, chat_template: str | None,
-                 context_length: int) -> None:
+                 context_length: int, rstrip: Collection[str] = ()) -> None:
         tokenizers = require("tokenizers", "The GGUF tokenizer")
         _check_vocabulary(tokens, token_types, {"bos_token_id": bos_id, "eos_token_id": eos_id,
                                                 "padding_token_id": pad_id})
         self._tok = backend
         types = list(token_types) or [1] * len(tokens)
         specials = [t for t, kind in zip(tokens, types, strict=True) if kind == _CONTROL]
-        self._tok.add_special_tokens([tokenizers.AddedToken(t, normalized=False, special=True) for t in specials])
+        self._tok.add_special_tokens([tokenizers.AddedToken(t, normalized=False, special=True, rstrip=t in rstrip)
+                                      for t in specials])
         added = [t for i, (t, kind) in enumerate(zip(tokens, types, strict=True))
                  if kind == _USER_DEFINED and backend.token_to_id(t) == i]  # (not one respelled: a new id)
-        self._tok.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False) for t in added])
+        self._tok.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False, rstrip=t in rstrip)
+                              for t in added])
         self.tokens = list(tokens)
         self.specials = specials  # control tokens: only a chat template's own markup may produce them
         self.vocab_size = len(tokens)
@@ -171,8 +198,8 @@ class GGUFTokenizer:
         """The tokenizer a GGUF file's ``tokenizer.*`` metadata describes.
 
         ``tokenizer.ggml.model`` "gpt2": byte-level BPE from the file's merges;
-        "llama": SentencePiece BPE from its tokens (:func:`sentencepiece_bpe`;
-        files that put a space before the text, ``add_space_prefix``, are refused).
+        "llama": SentencePiece BPE from its tokens (:func:`sentencepiece_bpe`,
+        with a space before the text unless ``add_space_prefix`` is false).
         """
         kind = metadata.get("tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):
@@ -187,8 +214,9 @@ class GGUFTokenizer:
             backend = byte_level_bpe(tokens, metadata["tokenizer.ggml.merges"],
                                      metadata.get("tokenizer.ggml.pre", "default"))
         else:
-            backend = sentencepiece_bpe(tokens, _unknown_token(metadata, tokens))
-        return cls(backend, tokens, metadata.get("tokenizer.ggml.token_type", []),
+            backend = sentencepiece_bpe(tokens, _unknown_token(metadata, tokens), space_prefix=_space_prefix(metadata))
+        types = metadata.get("tokenizer.ggml.token_type", [])
+        return cls(backend, tokens, types, rstrip=_phi3_rstrip(metadata, tokens, types),
                    bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
                    eos_id=metadata["tokenizer.ggml.eos_token_id"],
                    pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
