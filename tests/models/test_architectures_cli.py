@@ -159,3 +159,47 @@ def test_a_key_that_is_not_a_boolean_is_refused_by_name(tmp_path: Path) -> None:
                          strings={"tokenizer.ggml.add_space_prefix": "yes"})
     with pytest.raises(ValueError, match=r"tokenizer.ggml.add_space_prefix = 'yes' is not a boolean"):
         load_gguf(tmp_path / "f.gguf")
+
+
+# --- every weight form and the serving engine, on each architecture (issue 36, item 4) ---------------------------
+
+
+@pytest.mark.filterwarnings("ignore:quantize.*keep another form")  # tiny heads fit no int4 tile
+@pytest.mark.parametrize(("form", "error"), [("float16", 0.01), ("int8", 0.05), ("int4", 0.3)])
+def test_every_weight_form_loads_each_architecture_and_generates(tiny: tuple[str, str], form: str,
+                                                                 error: float) -> None:
+    """The logits within the form's rounding of the float32 model's (a bias, norm or fused tensor lost in a form's
+    conversion puts them far off)."""
+    from attnkit.modules.quantize import available_forms, weight_form
+
+    if form not in available_forms():
+        pytest.skip(f"{form} needs fbgemm's kernels (x86 CPUs: AVX2 or AVX512), which this PyTorch lacks")
+    _, path = tiny
+    model, reference = load_gguf(path, weights=form), load_gguf(path)
+    ids = reference.tokenize("hello world")["input_ids"]
+    with torch.inference_mode():
+        ours, expected = model(ids), reference(ids)
+    assert weight_form(model) == form
+    assert torch.linalg.norm(ours - expected) < error * torch.linalg.norm(expected)
+    assert model.generate(ids, max_new_tokens=4, stop_ids=[]).shape == (1, ids.shape[1] + 4)
+
+
+def test_the_serving_engine_answers_each_architecture_as_generate(tiny: tuple[str, str]) -> None:
+    """attnkit serve's engine (paged cache, continuous batching) on each file: two prompts at once, each the
+    greedy answer generate() gives it alone."""
+    from attnkit.models.generation_options import GenerationOptions
+    from attnkit.serve import Engine
+
+    _, path = tiny
+    model = load_gguf(path)
+    engine = Engine(model, model.decode, kv_memory_mib=1, block_size=4)
+    prompts = [model.tokenize(text)["input_ids"][0].tolist() for text in ("hello world", "the sin a in the")]
+    answers: list[list[int]] = [[], []]
+    for i, prompt in enumerate(prompts):
+        engine.submit(prompt, GenerationOptions(max_new_tokens=6, stop_ids=[]),
+                      lambda event, i=i: answers[i].extend(event.token_ids))
+    while not engine.idle:
+        engine.step()
+    for prompt, answer in zip(prompts, answers, strict=True):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, stop_ids=[])[0, len(prompt) :]
+        assert answer == alone.tolist()

@@ -75,7 +75,7 @@ def test_what_openai_accepts_is_accepted(client: Any, route: str, body: dict[str
     ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, "top_p", "must be in [0, 1], got 1.5"),
     ("/v1/chat/completions", {**CHAT, "top_p": -0.1}, "top_p", "must be in [0, 1], got -0.1"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",
-     'only {"type": "text"} is supported (plain text), got {"type": "json_object"}'),
+     "cannot constrain its answers"),  # the toy tokenizer has no token bytes for a grammar
     ("/v1/chat/completions", {**CHAT, "n": 9}, "n", "must be in [1, 8], got 9"),
     ("/v1/chat/completions", {**CHAT, "n": True}, "n", "expected an integer, got true"),
     ("/v1/completions", {**COMPLETION, "n": 0}, "n", "must be in [1, 8], got 0"),

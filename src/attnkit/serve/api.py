@@ -9,7 +9,9 @@ are checked here, field by field (:mod:`attnkit.serve.checks`), and refused with
 too); the engine thread only ever sees valid requests. Streaming is server-sent
 events as OpenAI sends them: ``data: {chunk}`` lines with one id and one
 ``created``, a last chunk with ``finish_reason``, a usage chunk when asked, then
-``data: [DONE]``. A client that goes away has its request cancelled at the
+``data: [DONE]``. ``response_format`` json_object / json_schema constrains the answer to the schema
+(:class:`~attnkit.serve.grammar.JSONSchemas`, each choice its own constraint); a schema the grammar cannot
+honour is a 400 naming what it refuses. A client that goes away has its request cancelled at the
 engine's next step, streamed or not. Browsers on other origins are answered
 (CORS, preflights before the API key is checked), and every request leaves one
 line on the ``attnkit.serve.access`` logger (:class:`AccessLog`).
@@ -44,12 +46,14 @@ from .checks import (
     penalties,
     refuse_other_endpoints_field,
     refuse_unsupported,
+    response_format,
     route_error,
     sampling,
     stops,
     too_long,
 )
 from .engine import Engine, EngineError, Event, QueueFullError
+from .grammar import JSONSchemas
 from .runner import Choice
 
 if TYPE_CHECKING:
@@ -74,6 +78,7 @@ class Parsed:
     include_usage: bool
     source: str  # the request field the prompt came from: "messages" or "prompt"
     n: int = 1  # answers sampled from the prompt
+    grammar: str | None = None  # the compiled JSON Schema every answer follows (response_format), or None
 
 
 class Server:
@@ -83,10 +88,13 @@ class Server:
     the chat page name it ``model_name``. ``embedder``: serves ``/v1/embeddings`` under its own name, beside
     the engine's model; with no engine (``engine=None``, ``tokenizer=None``) the server serves embeddings
     alone, the embedder answering to ``model_name`` and the aliases, and the text routes answer a 404 saying so.
+    ``schemas``: compiles ``response_format``'s JSON Schemas; by default built from the tokenizer on the first
+    request that asks for one.
     """
 
     def __init__(self, engine: Engine | None, tokenizer: Any, *, model_name: str, aliases: Sequence[str] = (),
-                 api_key: str | None = None, context_length: int, embedder: Embedder | None = None) -> None:
+                 api_key: str | None = None, context_length: int, embedder: Embedder | None = None,
+                 schemas: JSONSchemas | None = None) -> None:
         if engine is None and embedder is None:
             raise ValueError("a server needs an engine, an embedder or both")
         self._engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
@@ -95,6 +103,12 @@ class Server:
         self.embedding_names = () if embedder is None else self.names if engine is None else (embedder.name,)
         self.context_length = context_length
         self.started = int(time.time())
+        self._schemas = schemas
+
+    @property
+    def _schemas_built(self) -> JSONSchemas:
+        assert self._schemas is not None, "a request with a grammar was parsed, which builds the schemas"
+        return self._schemas
 
     @property
     def serves_text(self) -> bool:
@@ -110,6 +124,22 @@ class Server:
         if self._engine is None:
             raise embeddings_only(route, self.names)
         return self._engine
+
+    def _grammar(self, body: Mapping[str, Any]) -> str | None:
+        """``response_format``'s schema compiled, or None for plain text; a 400 naming what cannot be honoured."""
+        schema = response_format(body)
+        if schema is None:
+            return None
+        if self._schemas is None:
+            try:
+                self._schemas = JSONSchemas(self.tokenizer, vocab_size=self.engine.model.vocab_size)
+            except AttributeError as err:  # a stand-in tokenizer without a token table
+                raise bad("response_format", f"this model's tokenizer cannot constrain its answers ({err}); only "
+                                             "{\"type\": \"text\"} is served") from err
+        try:
+            return self._schemas.compile(schema)
+        except ValueError as err:
+            raise bad("response_format", f"json_schema.schema is not supported: {err}") from err
 
     # -- checking a request ------------------------------------------------------------------------------------
 
@@ -184,7 +214,7 @@ class Server:
             raise bad("messages", str(err)) from err
         stream, usage = self._flags(body)
         options = self._params(body, len(prompt), "messages", chat_logprobs(body))
-        return Parsed(prompt, options, stream, usage, "messages", choices(body))
+        return Parsed(prompt, options, stream, usage, "messages", choices(body), self._grammar(body))
 
     def parse_completion(self, body: Mapping[str, Any]) -> Parsed:
         self._decoder("/v1/completions")
@@ -200,14 +230,14 @@ class Server:
             raise bad("prompt", str(err)) from err
         stream, usage = self._flags(body)
         options = self._params(body, len(ids), "prompt", completion_logprobs(body))
-        return Parsed(ids, options, stream, usage, "prompt", choices(body))
+        return Parsed(ids, options, stream, usage, "prompt", choices(body), self._grammar(body))
 
     # -- running it --------------------------------------------------------------------------------------------
 
     def submit(self, parsed: Parsed) -> tuple[list[Any], asyncio.Queue[tuple[int, Event]]]:
         """Queue a checked request's ``n`` choices (choice i seeded ``seed + i``); their events arrive on the
         returned asyncio queue as (choice index, event). Identical prompts share their prefix's KV blocks, so the
-        prompt is prefilled once."""
+        prompt is prefilled once. With a grammar, each choice follows its own constraint."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         seqs: list[Any] = []
@@ -222,7 +252,8 @@ class Server:
             for i in range(parsed.n):
                 options = parsed.params if i == 0 or not isinstance(seed, int) else replace(
                     parsed.params, seed=(seed + i) % 2**62)
-                seqs.append(self.engine.submit(parsed.prompt, options, on_event(i)))
+                constraint = None if parsed.grammar is None else self._schemas_built.constraint(parsed.grammar)
+                seqs.append(self.engine.submit(parsed.prompt, options, on_event(i), constraint))
         except (EngineError, ValueError) as err:
             for seq in seqs:
                 self.engine.cancel(seq)

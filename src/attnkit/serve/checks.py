@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,12 +101,48 @@ def refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in ("tools", "logit_bias", "echo", "suffix"):
         if body.get(name) not in (None, False, [], {}, ""):
             raise bad(name, "is not supported by this server")
-    response_format = body.get("response_format")
-    if response_format not in (None, {}, {"type": "text"}):
-        raise bad("response_format", f"only {{\"type\": \"text\"}} is supported (plain text), got "
-                                      f"{json.dumps(response_format)}")
     if body.get("best_of", 1) not in (1, None):
         raise bad("best_of", "only 1 is supported")
+
+
+def response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``response_format``: None for plain text ({"type": "text"}), else the JSON Schema the answer must follow:
+    ``{"type": "object"}`` for {"type": "json_object"}, the ``schema`` of {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}} ({} when it has none: any JSON value). Whether the schema's
+    keywords are supported is the grammar's to say (:mod:`attnkit.serve.grammar`)."""
+    given = body.get("response_format")
+    if given is None or given == {}:
+        return None
+    shape = '{"type": "text" | "json_object" | "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+    if not isinstance(given, dict) or given.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("response_format", f"expected {shape}, got {json.dumps(given)[:200]}")
+    kind = given["type"]
+    extra = sorted(set(given) - {"type", "json_schema"} if kind == "json_schema" else set(given) - {"type"})
+    if extra:
+        raise bad("response_format", f"unknown field {extra[0]!r} for type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = given.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format", f"json_schema: expected {{\"name\": ..., \"schema\": {{...}}}}, got "
+                                     f"{json.dumps(spec)[:200]}")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise bad("response_format", f"json_schema: unknown field {extra[0]!r}; expected name, schema, strict, "
+                                     "description")
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise bad("response_format", f"json_schema.name: expected 1 to 64 letters, digits, _ or -, got "
+                                     f"{json.dumps(name)[:80]}")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise bad("response_format", f"json_schema.strict: expected a boolean, got {json.dumps(spec['strict'])}")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad("response_format", f"json_schema.schema: expected a JSON Schema object, got "
+                                     f"{json.dumps(schema)[:80]}")
+    return schema
 
 
 def choices(body: Mapping[str, Any]) -> int:

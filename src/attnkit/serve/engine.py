@@ -15,7 +15,8 @@ request's token in one, prompt chunks of one length from several requests in
 one: :func:`attnkit.serve.runner.batches`), samples the requests whose
 known tokens are all in the pool, and ends a request on a stop id, a stop
 string, ``max_new_tokens`` or the context (:class:`attnkit.models.text.TextStream`,
-as ``stream()`` does). A request's options are :class:`GenerationOptions`,
+as ``stream()`` does), or once its constraint (:mod:`attnkit.serve.grammar`: a JSON Schema,
+say) is complete. A request's options are :class:`GenerationOptions`,
 the type ``generate()`` takes: the same defaults (greedy), the same checks.
 Sampled tokens equal ``generate`` alone up to rounding with float32 /
 float16 weights; with int8 / int4 weights a batch moves the logits by tenths
@@ -43,6 +44,7 @@ from attnkit.models.sampling import row_seeds
 from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
+from .grammar import Constraint
 from .paged import PagedKVPool
 from .runner import Choice, Runner, batches
 from .scheduler import Request, Row, Scheduler
@@ -138,11 +140,13 @@ class Engine:
 
     # -- the other threads' side -------------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], options: GenerationOptions, on_event: Callable[[Event], None]) -> Request:
+    def submit(self, prompt: Sequence[int], options: GenerationOptions, on_event: Callable[[Event], None],
+               constraint: Constraint | None = None) -> Request:
         """Queue a request; raises ValueError if it can never fit, QueueFullError, or EngineError if the engine died.
 
         ``options``: the request's sampling options and limits (``compile``, ``cache`` and ``kv_dtype`` are the
-        engine's, not a request's).
+        engine's, not a request's). ``constraint``: the tokens its answer may take, fresh (at the answer's start)
+        and this request's alone; the request stops ("stop") when it is done.
         """
         prompt = list(prompt)
         if not prompt:
@@ -162,7 +166,8 @@ class Engine:
                 raise QueueFullError(f"{len(self._inbox) + len(self.scheduler.waiting)} requests are waiting already")
             seed = int(row_seeds(options.seed, 1)[0])
             request = Request(next(self._ids), prompt, options, on_event, seed, stop_ids,
-                              TextStream(self.decode, options.stop), tokens=list(prompt))
+                              TextStream(self.decode, options.stop, prompt[-1:]), tokens=list(prompt),
+                              constraint=constraint)
             self._inbox.append(request)
             self.stats["requests_total"] += 1
             self._lock.notify()
@@ -244,22 +249,29 @@ class Engine:
         self.stats["generated_tokens_total"] += 1
         if request.first_token_at is None:
             request.first_token_at = time.monotonic()
+        if request.constraint is not None:
+            try:
+                request.constraint.advance(token)
+            except ValueError as err:  # a grammar that broke down ends its request alone
+                self._finish(request, "error", [token], error=f"constrained decoding failed: {err}")
+                return
         if token in request.stop_ids:  # the stop id itself is not text, but a token of the answer (usage counts it)
             self._finish(request, "stop", [token])
             return
         piece = request.text.add(token)
         self._emit(request, Event(piece, [token], logprobs=[choice] if choice.logprob is not None else []))
-        if request.text.stopped:  # nothing after the stop string is shown
-            self._finish(request, "stop")
+        if request.text.stopped or (request.constraint is not None and request.constraint.done):
+            self._finish(request, "stop")  # nothing after the stop string is shown; nothing may follow the grammar
         elif request.generated >= request.options.max_new_tokens or len(request.tokens) >= self.model.context_length:
             self._finish(request, "length")
 
-    def _finish(self, request: Request, reason: str, tokens: list[int] | None = None) -> None:
+    def _finish(self, request: Request, reason: str, tokens: list[int] | None = None, error: str | None = None
+                ) -> None:
         if request.finished:
             return
         request.finished = True
         self.scheduler.drop(request)
-        self._emit(request, Event(request.text.flush(), tokens or [], reason))
+        self._emit(request, Event(request.text.flush(), tokens or [], reason, error=error))
 
     @staticmethod
     def _emit(request: Request, event: Event) -> None:

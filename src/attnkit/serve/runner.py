@@ -4,7 +4,9 @@ The runner builds the step's :class:`attnkit.serve.paged.PagedBatch` once
 (where each new token is written, which slots each row reads), runs the
 model's ``step`` over it and samples every finished row with its own options
 and seed (:mod:`attnkit.models.sampling`: the same random numbers, penalties
-and sampler as ``generate`` alone), with its logprobs when asked for.
+and sampler as ``generate`` alone), with its logprobs when asked for. A row
+whose request carries a constraint (:mod:`attnkit.serve.grammar`) has the
+tokens it forbids set to -inf first, each row by its own constraint.
 
 Legend: B rows in a forward, T tokens per row, V vocabulary.
 """
@@ -57,7 +59,9 @@ class Runner:
 
     def sample(self, requests: list[Request], logits: Tensor) -> list[Choice]:
         """Each request's next token from its row of ``logits`` (B, V), grouped by sampling options, with the
-        penalties of its options and, when asked for, its logprobs."""
+        penalties of its options and, when asked for, its logprobs; a constrained request's row is masked first, so
+        penalties, sampler and logprobs all see the masked scores."""
+        logits = _constrain(requests, logits)
         groups: dict[tuple[Any, ...], list[int]] = {}
         for b, request in enumerate(requests):
             o = request.options
@@ -90,7 +94,29 @@ def _logprobs(scores: Tensor, token: int, k: int) -> Choice:
     """The chosen token's log-softmax and the k most likely tokens', from one row's scores (V,)."""
     logp = scores.double().log_softmax(dim=-1)  # (V,)
     values, ids = logp.topk(k) if k else (logp[:0], logp[:0].long())  # (k,)
+    finite = values > float("-inf")  # a constraint may allow fewer than k tokens: the rest are not alternatives
+    values, ids = values[finite], ids[finite]
     return Choice(token, float(logp[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
+
+
+def _constrain(requests: list[Request], logits: Tensor) -> Tensor:
+    """``logits`` (B, V) with each constrained request's forbidden tokens at -inf (a copy; the same tensor if no
+    request is constrained). A constraint that cannot say (its grammar broke down) leaves its row as it is: the
+    engine ends that request when its constraint refuses the token sampled."""
+    masked = logits
+    for b, request in enumerate(requests):
+        if request.constraint is None:
+            continue
+        try:
+            allowed = request.constraint.allowed()  # (V,)
+        except ValueError:
+            continue
+        assert allowed.shape == logits.shape[-1:], f"a constraint's mask {tuple(allowed.shape)} for logits (V,) = " \
+                                                   f"{tuple(logits.shape[-1:])}"
+        if masked is logits:
+            masked = logits.clone()
+        masked[b].masked_fill_(~allowed, float("-inf"))
+    return masked
 
 
 def _history(requests: list[Request], vocab_size: int) -> tuple[Tensor, Tensor]:

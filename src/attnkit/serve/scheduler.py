@@ -21,17 +21,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnkit.models.generation_options import GenerationOptions
 from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
 
+if TYPE_CHECKING:
+    from .grammar import Constraint
+
 
 @dataclass(eq=False)
 class Request:
-    """One request inside the engine: its prompt, options and where its tokens are."""
+    """One request inside the engine: its prompt, options and where its tokens are; ``constraint``: which tokens
+    its answer may take (:mod:`attnkit.serve.grammar`), or None."""
 
     id: int
     prompt: list[int]
@@ -49,6 +53,7 @@ class Request:
     finished: bool = False
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    constraint: Constraint | None = None
 
     @property
     def prefilling(self) -> bool:
