@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-# ATEN_CPU_CAPABILITY=avx2 runs PyTorch's AVX2 kernels (and attnkit's choices for an AVX2 CPU, attnkit._cpu) on
+# ATEN_CPU_CAPABILITY=avx2 runs PyTorch's AVX2 kernels (and attnkit's choices for an AVX2 CPU, attnkit.cpu) on
 # any x86 machine; fbgemm and oneDNN read their own variables, set here before either is first used, so the
 # suite runs every kernel as an AVX2 CPU would (scripts/test.sh's second pass). Inductor's on-disk cache does not
 # tell the two apart (a graph compiled for AVX512 and loaded under AVX2 decoded other tokens than eager AVX2

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from attnkit._cpu import SlowDtypeWarning, cpu_capability, has_fast_bfloat16, warn_if_slow_dtype
+from attnkit.cpu import SlowDtypeWarning, cpu_capability, has_fast_bfloat16, warn_if_slow_dtype
 
 
 def _pretend(monkeypatch: pytest.MonkeyPatch, capability: str, **features: bool) -> None:

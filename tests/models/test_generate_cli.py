@@ -238,10 +238,10 @@ def test_generate_ctrl_c_stops_with_exit_130_and_no_traceback(tiny: str, monkeyp
 def test_a_slow_dtype_is_one_warning_line(tiny: str, capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """--dtype bfloat16 on a CPU without it printed Python's two-line warning (file, line, then the source)."""
-    import attnkit._cpu
+    import attnkit.cpu
 
-    monkeypatch.setattr(attnkit._cpu, "has_fast_bfloat16", lambda: False)
-    monkeypatch.setattr(attnkit._cpu, "cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(attnkit.cpu, "has_fast_bfloat16", lambda: False)
+    monkeypatch.setattr(attnkit.cpu, "cpu_capability", lambda: "AVX2")
     assert main(["generate", "--gguf", tiny, "--dtype", "bfloat16", "--max-new-tokens", "2", "the"]) == 0
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "warning:" in line]

@@ -66,7 +66,7 @@ def test_loader_reads_config_from_metadata(tiny: tuple[Path, dict[str, np.ndarra
     assert attn.rope is not None and attn.rope.base == 10000.0
 
 
-@pytest.mark.filterwarnings("ignore::attnkit._cpu.SlowDtypeWarning")  # CPUs without bfloat16 (test_loader)
+@pytest.mark.filterwarnings("ignore::attnkit.cpu.SlowDtypeWarning")  # CPUs without bfloat16 (test_loader)
 def test_loader_casts_to_dtype(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
     model = load_gguf(tiny[0], dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -29,7 +29,7 @@ TEXT = ("The old lighthouse keeper climbed the stairs every evening, counting ea
 def _widens_here() -> bool:
     """Whether int8 / int4 layers take the bfloat16 product for many rows on this machine (native bfloat16):
     where not, the tests of that path are skipped, naming the capability they need."""
-    from attnkit._cpu import has_fast_bfloat16
+    from attnkit.cpu import has_fast_bfloat16
 
     return has_fast_bfloat16()
 
@@ -192,7 +192,7 @@ def test_a_rows_logits_are_the_same_alone_or_in_any_batch(form: str, positions: 
     take the widened product alone and together. Bit for bit, so a seeded row samples the same tokens, except
     through fbgemm's float16 product (the float16 form, int4's head) below AVX512: its AVX2 kernels block rows by
     the batch's size, so there a row moves in the last bits (measured 1.5e-5) and keeps its greedy tokens."""
-    from attnkit._cpu import float16_rows_batch_invariant
+    from attnkit.cpu import float16_rows_batch_invariant
     from attnkit.models import LlamaConfig, LlamaModel
     from attnkit.modules.packed import Float16Linear, PackedLinear
     from attnkit.modules.quantize import quantize

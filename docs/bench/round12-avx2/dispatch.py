@@ -4,7 +4,7 @@
 
 Each mode runs in fresh processes (PyTorch reads ATEN_CPU_CAPABILITY at start). The AVX2 mode sets
 ATEN_CPU_CAPABILITY=avx2, FBGEMM_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2: an AVX512 machine running
-the kernels an AVX2 CPU runs (attnkit._cpu), not an AVX2 CPU's clock or caches. Per mode: the form
+the kernels an AVX2 CPU runs (attnkit.cpu), not an AVX2 CPU's clock or caches. Per mode: the form
 ``weights="auto"`` picks for SmolLM2, process start to model ready (``load_smollm2(weights="auto")``, warm
 index), greedy decode speed of each weight form (16-token prompt, 64 new tokens, median of 3), and
 ``attnkit train induction``'s wall time. 2 threads. The two modes run twice, interleaved, and every run is printed.

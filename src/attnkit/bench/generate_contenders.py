@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
-from attnkit._cpu import SlowDtypeWarning
 from attnkit._optional import require
+from attnkit.cpu import SlowDtypeWarning
 from attnkit.modules.quantize import available_forms, default_form
 
 from . import llamacpp

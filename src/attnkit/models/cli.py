@@ -167,7 +167,7 @@ def packaged_path(name: str) -> Path:
 def _load(args: argparse.Namespace, console: Any) -> DecoderModel:
     import torch
 
-    from attnkit._cpu import SlowDtypeWarning
+    from attnkit.cpu import SlowDtypeWarning
     from attnkit.models.loader import load_gguf
     from attnkit.modules.quantize import weight_form
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attnkit._cpu import SlowDtypeWarning as SlowDtypeWarning  # re-exported: load_gguf warns with it
-from attnkit._cpu import warn_if_slow_dtype
 from attnkit._optional import MissingDependencyError
+from attnkit.cpu import SlowDtypeWarning as SlowDtypeWarning  # re-exported: load_gguf warns with it
+from attnkit.cpu import warn_if_slow_dtype
 from attnkit.modules.quantize import WEIGHT_FORMS, resolve_form
 
 from .decoder import DecoderModel, assemble, pack, release_freed_memory

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit._cpu import cpu_capability, has_fast_bfloat16
+from attnkit.cpu import cpu_capability, has_fast_bfloat16
 
 GROUP = 32  # inputs per int4 group: GGUF's Q4_1 block
 

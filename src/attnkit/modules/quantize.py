@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from attnkit._cpu import has_fast_bfloat16
+from attnkit.cpu import has_fast_bfloat16
 
 from .packed import (
     Float16Linear,
@@ -84,7 +84,7 @@ def default_form(accurate: Sequence[str] = WEIGHT_FORMS) -> str:
     20.2-21.6, float32 at 17.5-21.9 and float16 at 13.4-14.1), then float32. What each form promises
     per CPU: a row's logits are bit-equal alone and in a batch of its length
     with int8 everywhere, and with float16 or int4 (whose head is float16) only
-    where fbgemm runs its AVX512 kernels (``_cpu.float16_rows_batch_invariant``);
+    where fbgemm runs its AVX512 kernels (``attnkit.cpu.float16_rows_batch_invariant``);
     with AVX2 they move in the last bits.
     """
     order = ("int4", "float16", "int8") if has_fast_bfloat16() else ("int4", "int8")
