@@ -154,3 +154,15 @@ def test_a_window_larger_than_the_context_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"llama.attention.sliding_window = 100 is larger than "
                                          r"llama.context_length = 64"):
         load_gguf(tmp_path / "bad.gguf")
+
+
+def test_mistral_tokenizer_gives_transformers_ids_on_hostile_texts(mistral: Path) -> None:
+    """The SmolLM2 tests' hostile texts through the Mistral (Llama) file's tokenizer and transformers' GGUF
+    tokenizer of the same file."""
+    transformers = need("transformers")
+    from tests.models.test_tokenizer_reference import TEXTS
+
+    ours = load_gguf(mistral).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(str(mistral.parent), gguf_file=mistral.name)
+    for text in [*TEXTS, "  two  spaces ", "\n\nhello", "a12b 1212"]:
+        assert ours.encode(text) == theirs.encode(text), text

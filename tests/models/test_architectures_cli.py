@@ -203,3 +203,17 @@ def test_the_serving_engine_answers_each_architecture_as_generate(tiny: tuple[st
     for prompt, answer in zip(prompts, answers, strict=True):
         alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, stop_ids=[])[0, len(prompt) :]
         assert answer == alone.tolist()
+
+
+def test_each_architectures_tokenizer_gives_transformers_ids_on_hostile_texts(tiny: tuple[str, str]) -> None:
+    """The SmolLM2 tests' hostile texts (digits, spaces, unicode, code) through each file's tokenizer (Qwen's
+    byte-level BPE with its pre-tokenizer, Phi-3's and Gemma 2's SentencePiece) against transformers' GGUF
+    tokenizer of the same file."""
+    transformers = need("transformers")
+    from tests.models.test_tokenizer_reference import TEXTS
+
+    _, path = tiny
+    ours = load_gguf(path).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+    for text in [*TEXTS, "  two  spaces ", "\n\nhello", "a12b 1212"]:
+        assert ours.encode(text) == theirs.encode(text), text  # with the file's BOS where it asks for one (Gemma)
