@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs lint, type checks and the whole test suite; then the weight-form, model and
-# serving-engine tests (not the HTTP details, which no kernel touches) a second time with PyTorch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2: what an AVX2 CPU runs,
+# serving-engine tests (not the HTTP server nor transformers' reference, whose kernels are the same) a second time
+# with PyTorch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2: what an AVX2 CPU runs,
 # on any x86 machine; tests/conftest.py sets fbgemm's and oneDNN's variables to match).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k rope` (then the AVX2 pass is skipped).
 set -euo pipefail
@@ -15,6 +16,5 @@ if [ "$#" -eq 0 ] && [ "$(uname -m)" = x86_64 ]; then
   ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest -m "not browser and not slow" \
     tests/modules/test_quantize.py tests/modules/test_quantize_refusals.py tests/modules/test_kv_dtype.py \
     tests/models/test_generation.py tests/models/test_llama.py tests/models/test_gemma3.py \
-    tests/models/test_llama_reference.py tests/models/test_penalties.py tests/serve/test_engine.py \
-    tests/serve/test_api.py tests/test_cpu.py
+    tests/models/test_penalties.py tests/serve/test_engine.py tests/test_cpu.py
 fi

@@ -288,8 +288,8 @@ def test_a_soak_of_short_requests_with_random_disconnects_leaves_every_block_fre
                     break
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        for batch in range(5):
-            list(pool.map(one, range(batch * 40, (batch + 1) * 40)))
+        for batch in range(4):
+            list(pool.map(one, range(batch * 30, (batch + 1) * 30)))
             rss.append(server.rss_mib())
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and server.metrics(auth)["requests_running"]:
