@@ -138,3 +138,42 @@ def hf_smollm2() -> tuple[Any, Any]:
                                                               dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tokenizer
+
+
+# --- the three comparisons every architecture's tiny file passes (issue 36) ----------------------------------
+
+
+def assert_padded_logits_match(model: Any, hf: Any, ids: Any, mask: Any) -> None:
+    """attnkit's logits equal transformers' to 1e-4 on a left-padded batch (``mask`` 0 = padding), at the
+    positions transformers' generate() gives its rows."""
+    import torch
+
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # what generate() gives transformers
+    with torch.inference_mode():
+        ours = model(ids, mask, positions=torch.where(mask.bool(), positions, -1))
+        theirs = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-4, atol=1e-4)
+
+
+def assert_cached_steps_equal_full(model: Any, ids: Any, prefill: int) -> None:
+    """Prefill ``prefill`` tokens, then one per step through the model's caches: the full forward's logits to
+    1e-12 (run it in float64, so any difference is a bug, not rounding)."""
+    import torch
+
+    caches = model.new_caches()
+    with torch.inference_mode():
+        full = model(ids)
+        steps = [model(ids[:, :prefill], kv_caches=caches)] + [model(ids[:, t : t + 1], kv_caches=caches)
+                                                                for t in range(prefill, ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-12, atol=1e-12)
+
+
+def assert_greedy_tokens_match(model: Any, hf: Any, ids: Any, n: int = 16) -> None:
+    """``n`` greedy tokens equal transformers' generate()."""
+    import torch
+
+    with torch.inference_mode():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    assert model.generate(ids, max_new_tokens=n, stop_ids=[]).tolist() == theirs.tolist()

@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from tests._util import need
-from tests.models._decoder import CHATML, MERGES, SPECIALS, byte_alphabet, llama_cpp_permute, tiny_weights
+from tests.models._decoder import (
+    CHATML,
+    MERGES,
+    SPECIALS,
+    assert_cached_steps_equal_full,
+    assert_greedy_tokens_match,
+    assert_padded_logits_match,
+    byte_alphabet,
+    llama_cpp_permute,
+    tiny_weights,
+)
 
 need("gguf")
 need("tokenizers")
@@ -120,33 +130,20 @@ def test_mistral_logits_match_transformers_on_a_left_padded_batch_past_the_windo
     ids = torch.randint(3, len(TOKENS), (3, 13), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, :3], mask[2, :8] = 0, 0  # left padding
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    with torch.inference_mode():
-        ours = model(ids, mask, positions=torch.where(mask.bool(), positions, -1))
-        theirs = hf_mistral(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    real = mask.bool()
-    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-4, atol=1e-4)
+    assert_padded_logits_match(model, hf_mistral, ids, mask)
 
 
 def test_mistral_cached_decoding_equals_the_full_forward_across_the_window(mistral: Path) -> None:
     """A cache that forgets the window (or aligns it by slot, not position) differs after 4 tokens."""
     model: Any = load_gguf(mistral).double()
     ids = torch.randint(3, len(TOKENS), (2, 12), generator=torch.Generator().manual_seed(0))
-    caches = model.new_caches()
-    with torch.inference_mode():
-        full = model(ids)
-        steps = [model(ids[:, :3], kv_caches=caches)] + [model(ids[:, t : t + 1], kv_caches=caches)
-                                                          for t in range(3, 12)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-12, atol=1e-12)
+    assert_cached_steps_equal_full(model, ids, prefill=3)
 
 
 def test_mistral_sixteen_greedy_tokens_match_transformers_generate(mistral: Path, hf_mistral: Any) -> None:
     model: Any = load_gguf(mistral)
     ids = torch.tensor([[5, 40, 41, 200, 100, 7]])
-    with torch.inference_mode():
-        theirs = hf_mistral.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                     min_new_tokens=16, do_sample=False, pad_token_id=0)
-    assert model.generate(ids, max_new_tokens=16, stop_ids=[]).tolist() == theirs.tolist()
+    assert_greedy_tokens_match(model, hf_mistral, ids)
 
 
 def test_a_window_larger_than_the_context_is_named(tmp_path: Path) -> None:

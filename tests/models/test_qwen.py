@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from tests._util import need
-from tests.models._decoder import CHATML, SPECIALS, byte_alphabet
+from tests.models._decoder import (
+    CHATML,
+    SPECIALS,
+    assert_cached_steps_equal_full,
+    assert_greedy_tokens_match,
+    assert_padded_logits_match,
+    byte_alphabet,
+)
 from tests.models.test_tokenizer_reference import TEXTS
 
 need("gguf")
@@ -146,12 +153,7 @@ def test_logits_match_transformers_on_a_left_padded_batch(tiny: tuple[str, Path]
     ids = torch.randint(3, len(TOKENS), (3, 13), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :4], mask[2, :10] = 0, 0  # left padding
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # what generate() gives transformers
-    with torch.inference_mode():
-        ours = model(ids, mask, positions=torch.where(mask.bool(), positions, -1))
-        theirs = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    real = mask.bool()
-    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-4, atol=1e-4)
+    assert_padded_logits_match(model, hf, ids, mask)
 
 
 def test_cached_decoding_equals_the_full_forward(tiny: tuple[str, Path]) -> None:
@@ -159,21 +161,13 @@ def test_cached_decoding_equals_the_full_forward(tiny: tuple[str, Path]) -> None
     (float64, so any difference is a bug, not rounding)."""
     model: Any = load_gguf(tiny[1]).double()
     ids = torch.randint(3, len(TOKENS), (2, 12), generator=torch.Generator().manual_seed(0))
-    caches = model.new_caches()
-    with torch.inference_mode():
-        full = model(ids)
-        steps = [model(ids[:, :4], kv_caches=caches)] + [model(ids[:, t : t + 1], kv_caches=caches)
-                                                          for t in range(4, 12)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-12, atol=1e-12)
+    assert_cached_steps_equal_full(model, ids, prefill=4)
 
 
 def test_sixteen_greedy_tokens_match_transformers_generate(tiny: tuple[str, Path], hf: Any) -> None:
     model: Any = load_gguf(tiny[1])
     ids = torch.tensor([[5, 40, 41, 262, 100]])
-    with torch.inference_mode():
-        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                             do_sample=False, pad_token_id=0)
-    assert model.generate(ids, max_new_tokens=16, stop_ids=[]).tolist() == theirs.tolist()
+    assert_greedy_tokens_match(model, hf, ids)
 
 
 def test_weights_auto_keeps_float32_for_an_unmeasured_architecture(tiny: tuple[str, Path]) -> None:
