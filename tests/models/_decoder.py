@@ -177,3 +177,23 @@ def assert_greedy_tokens_match(model: Any, hf: Any, ids: Any, n: int = 16) -> No
         theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0)
     assert model.generate(ids, max_new_tokens=n, stop_ids=[]).tolist() == theirs.tolist()
+
+
+def add_sentencepiece_vocab(w: Any, tokens: list[str], types: list[int]) -> None:
+    """A SentencePiece ("llama") vocabulary in a GGUF writer: tokens, descending scores, token types."""
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_token_types(types)
+
+
+def write_tensors_and_close(w: Any, arrays: dict[str, np.ndarray], drop: tuple[str, ...] = ()) -> None:
+    """Add every array but those named in ``drop`` as a tensor, write the file and close it."""
+    for name, array in arrays.items():
+        if name not in drop:
+            w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests._util import need
+from tests.models._decoder import add_sentencepiece_vocab, write_tensors_and_close
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]  # control tokens, ids 0..5
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
@@ -70,24 +71,14 @@ def write_tiny_gemma3(path: Path, *, window: int = 4, context: int = 64, key_len
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(len(TOKENS))
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_scores([-float(i) for i in range(len(TOKENS))])
-    w.add_token_types(TYPES)
+    add_sentencepiece_vocab(w, TOKENS, TYPES)
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
     w.add_unk_token_id(3)
     w.add_pad_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_space_prefix(space_prefix)
-    for name, array in (weights | (extra or {})).items():
-        if name not in drop:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(w, weights | (extra or {}), drop)
     return weights
 
 

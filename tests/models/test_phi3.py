@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from tests._util import need
-from tests.models._decoder import assert_cached_steps_equal_full, assert_greedy_tokens_match, assert_padded_logits_match
+from tests.models._decoder import (
+    add_sentencepiece_vocab,
+    assert_cached_steps_equal_full,
+    assert_greedy_tokens_match,
+    assert_padded_logits_match,
+    write_tensors_and_close,
+)
 
 need("gguf")
 need("tokenizers")
@@ -80,11 +86,7 @@ def write_tiny_phi3(path: Path, *, window: int = WINDOW, context: int = 128, ori
         w.add_float32(key, value)
     for key, text in (strings or {}).items():
         w.add_string(key, text)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_scores([-float(i) for i in range(len(TOKENS))])
-    w.add_token_types(TYPES)
+    add_sentencepiece_vocab(w, TOKENS, TYPES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(TOKENS.index("<|endoftext|>"))
     w.add_unk_token_id(0)
@@ -93,13 +95,7 @@ def write_tiny_phi3(path: Path, *, window: int = WINDOW, context: int = 128, ori
     if space_prefix is not None:
         w.add_add_space_prefix(space_prefix)
     w.add_chat_template(TEMPLATE)
-    for name, array in (weights | (extra or {})).items():
-        if name not in drop:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(w, weights | (extra or {}), drop)
     return weights
 
 
