@@ -62,7 +62,8 @@ def tiny_weights(arch: str, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_tiny_qwen(path: Path, arch: str, *, pre: str = "qwen2", strings: dict[str, str] | None = None,
-                    drop: tuple[str, ...] = (), key_length: int | None = None) -> dict[str, np.ndarray]:
+                    drop: tuple[str, ...] = (), key_length: int | None = None, template: str = CHATML
+                    ) -> dict[str, np.ndarray]:
     """Write a tiny Qwen 2 / Qwen 3 GGUF file at ``path`` (metadata as llama.cpp writes it); return its weights."""
     gguf = need("gguf")
     weights = tiny_weights(arch)
@@ -90,7 +91,7 @@ def write_tiny_qwen(path: Path, arch: str, *, pre: str = "qwen2", strings: dict[
     w.add_pad_token_id(0)
     w.add_bos_token_id(0)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    w.add_chat_template(template)
     for name, array in weights.items():
         if name not in drop:
             w.add_tensor(name, array)
@@ -225,3 +226,19 @@ def test_qwen3_heads_contradicting_the_tensors_are_named(tmp_path: Path) -> None
     with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.weight' has shape \(128, 64\), but the metadata "
                                          r"implies \(64, 64\)"):
         load_gguf(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"drop": ("blk.1.attn_q.weight",)}, r"tensor 'blk.1.attn_q.weight' is missing"),
+    ({"template": "{% for m in messages %}"}, r"the chat template of .*tiny.gguf does not parse"),
+])
+def test_a_bad_file_is_refused_before_any_weight_is_read(tmp_path: Path, options: dict[str, Any],
+                                                         match: str) -> None:
+    """Bug: the last layer's missing tensor, or a template that does not parse, was found after every weight
+    before it had been read (or, for the template, at the first chat)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_qwen(path, "qwen2", **options)
+    read: list[tuple[int, int]] = []
+    with pytest.raises(ValueError, match=match):
+        load_gguf(path, progress=lambda done, total: read.append((done, total)))
+    assert read == []

@@ -69,6 +69,15 @@ def _result_size(operator: str, left: Any, right: Any) -> int:
     return 0
 
 
+def check_parses(template: str, name: str = "the chat template") -> None:
+    """A ValueError naming ``template`` (as ``name``) when jinja2 cannot parse it: before a model is loaded."""
+    jinja2 = require("jinja2", "Chat templates")
+    try:
+        _sandbox(name, OUTPUT).parse(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"{name} does not parse: {err.message} (line {err.lineno})") from None
+
+
 def render(template: str, messages: Sequence[Mapping[str, str]], *, name: str = "the chat template",
            add_generation_prompt: bool = True, seconds: float = SECONDS, output: int = OUTPUT,
            memory: int = MEMORY, variables: Mapping[str, Any] | None = None) -> str:

@@ -27,6 +27,7 @@ from attnkit.cpu import SlowDtypeWarning as SlowDtypeWarning  # re-exported: loa
 from attnkit.cpu import warn_if_slow_dtype
 from attnkit.modules.quantize import WEIGHT_FORMS, resolve_form
 
+from .chat import check_parses
 from .decoder import DecoderModel, assemble, pack, release_freed_memory
 from .gguf import GGUFFile, read_gguf
 from .llama import LlamaModel
@@ -80,8 +81,13 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
 def file_tokenizer(file: GGUFFile, vocab_size: int, context_length: int, vocab_key: str) -> GGUFTokenizer:
     """The file's tokenizer, refused by name when its vocabulary is not the model's (``vocab_key``'s)."""
-    tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=context_length)
+    try:
+        tokenizer = GGUFTokenizer.from_metadata(file.metadata, context_length=context_length)
+    except ValueError as err:
+        raise ValueError(f"{file.path}: {err}") from None
     tokenizer.template_name = f"the chat template of {file.path}"
+    if tokenizer.chat_template is not None:  # refused before any weight is read, not at the first chat
+        check_parses(tokenizer.chat_template, tokenizer.template_name)
     if tokenizer.vocab_size != vocab_size:
         raise ValueError(f"{file.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
                          f"{vocab_size} ({vocab_key})")

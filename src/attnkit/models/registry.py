@@ -188,20 +188,33 @@ def read_weights(file: GGUFFile, architecture: Architecture, config: GGUFConfig,
                                       "norm.weight": [Part("output_norm.weight", (c,))]}
     if not config.tie_embeddings:
         top["lm_head.weight"] = [Part("output.weight", (v, c))]
+    tables = [architecture.block(config, layer) for layer in range(config.num_layers)]
+    _check_table(file, architecture, [top, *tables])  # every name and shape, before any weight is read
     out = _read(file, top, "", dtype, None)
     if config.tie_embeddings:
         out["lm_head.weight"] = out["embed.weight"]
-    expected = {p.name for parts in top.values() for p in parts}
-    for layer in range(config.num_layers):
-        table = architecture.block(config, layer)
+    for layer, table in enumerate(tables):
         out |= _read(file, table, f"layers.{layer}.", dtype, grids)
-        expected |= {p.name for parts in table.values() for p in parts}
         if progress is not None:
             progress(layer + 1, total)
+    if progress is not None:
+        progress(total, total)
+    return out
+
+
+def _check_table(file: GGUFFile, architecture: Architecture, tables: Sequence[BlockTensors]) -> None:
+    """Refuse, from the file's tensor table alone, a tensor the registration names that is missing or of
+    another shape than the metadata implies, and a tensor it does not name."""
+    expected = set()
+    for table in tables:
+        for parts in table.values():
+            for part in parts:
+                stored = tuple(reversed(file.tensor_shape(part.name)))  # GGUF's dims, innermost first
+                if stored != part.shape:
+                    raise ValueError(f"{file.path}: tensor {part.name!r} has shape {stored}, but the metadata "
+                                     f"implies {part.shape}")
+                expected.add(part.name)
     unexpected = sorted(set(file.tensor_names) - expected)
     if unexpected:
         raise ValueError(f"{file.path}: tensors {unexpected[:5]} are not part of the supported {architecture.name} "
                          "architecture")
-    if progress is not None:
-        progress(total, total)
-    return out
