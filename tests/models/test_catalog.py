@@ -59,6 +59,14 @@ def test_a_gguf_file_is_described_by_its_metadata(tmp_path: Path) -> None:
     assert entry.use == "--gguf FILE"
 
 
+def test_a_file_whose_config_cannot_be_read_is_not_offered_as_runnable(tmp_path: Path) -> None:
+    """Bug: a registered architecture's file with contradicting metadata was listed with --gguf FILE."""
+    path = tmp_path / "bad-qwen2.gguf"
+    write_tiny_qwen(path, "qwen2", strings={"qwen2.rope.scaling.type": "yarn"})  # refused by the config reader
+    use = catalog.describe_gguf(path).use
+    assert use.startswith("cannot load:") and "yarn" in use
+
+
 def test_parameters_are_elements_not_bytes_and_the_file_type_is_named(tmp_path: Path) -> None:
     """A Q8_0 matrix stores 4096 weights in 4352 bytes: counting bytes, or GGUF's innermost-first dims wrongly,
     gives another number. An unregistered architecture is listed, with why it cannot run."""

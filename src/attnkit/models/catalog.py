@@ -30,7 +30,8 @@ from pathlib import Path
 from attnkit._optional import GEMMA3_PACKAGES
 
 from .gemma3 import cache_dir
-from .registry import registered
+from .gguf import GGUFFile
+from .registry import lookup, registered
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def describe_gguf(path: str | Path, use: str | None = None) -> Entry:
     kind = metadata.get("general.file_type")  # llama.cpp's converter writes it; other writers may not
     quantisation = stored if kind is None else f"{_file_type(kind)} ({stored})"
     if use is None:
-        use = "--gguf FILE" if arch in registered() else f"not supported: architecture {arch!r} is not registered"
+        use = _use(file, arch)
     name = str(metadata.get("general.name") or path.name)
     return Entry(name, arch, sum(math.prod(int(n) for n in s) for s in shapes.values()), size, quantisation, path,
                  use)
@@ -146,3 +147,15 @@ def entries(dirs: Sequence[str | Path] = ()) -> list[Entry]:
             out.append(describe_gguf(path))
             seen.add(path)
     return out
+
+
+def _use(file: GGUFFile, arch: str) -> str:
+    """``--gguf FILE`` where the file's architecture is registered and its config reads (metadata only), else
+    why it cannot run."""
+    if arch not in registered():
+        return f"not supported: architecture {arch!r} is not registered"
+    try:
+        lookup(arch, file.path).config(file.metadata, tie_embeddings="output.weight" not in file.tensor_names)
+    except ValueError as err:
+        return f"cannot load: {err}"
+    return "--gguf FILE"
