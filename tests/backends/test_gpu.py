@@ -34,3 +34,21 @@ def test_the_default_layer_takes_a_fused_sdpa_kernel(kv_heads):
             fused = layer(x)
     assert len(calls) == 1 and calls[0] is None
     torch.testing.assert_close(fused, expected)
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_compiled_decode_step_replays_a_cuda_graph_with_the_eager_tokens():
+    """generate(compile=True) on a GPU captures the step as a CUDA graph ("reduce-overhead"): its outputs are
+    overwritten by the next replay, so a loop that kept them would yield later tokens in place of earlier ones,
+    and a cache whose address moved would be recorded stale. Greedy float32 tokens equal the eager ones."""
+    from attnkit.models.llama import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                   ffn_size=128, context_length=128)).cuda().eval()
+    ids = torch.randint(0, 256, (2, 7), device="cuda")  # (B, T)
+    eager = model.generate(ids, max_new_tokens=24, stop_ids=[])
+    for n in (24, 30):  # the second call: another capacity, the same compiled step recorded anew
+        compiled = model.generate(ids, max_new_tokens=n, stop_ids=[], compile=True)
+        assert torch.equal(compiled[:, : eager.shape[1]], eager)

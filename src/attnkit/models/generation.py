@@ -73,6 +73,12 @@ class DecodeState:
     counts: Tensor | None = None  # (B, V) float: each token's count in the answer, with penalties only
     seen: Tensor | None = None  # (B, V) bool: in the prompt or the answer, with penalties only
 
+    def cloned(self) -> DecodeState:
+        """A copy of every tensor: a CUDA graph's outputs are overwritten by its next replay."""
+        counts, seen = self.counts, self.seen
+        return DecodeState(self.token.clone(), self.position.clone(), self.done.clone(), self.step.clone(),
+                           None if counts is None else counts.clone(), None if seen is None else seen.clone())
+
 
 def decode_step(model: CausalLM, caches: Sequence[Cache], state: DecodeState, sampler: Sampler, seeds: Tensor,
                 stop_ids: Tensor, plain: bool = False, penalties: Penalties | None = None) -> DecodeState:
@@ -134,11 +140,12 @@ _COMPILED: dict[int, Callable[..., DecodeState]] = {}
 RECOMPILE_LIMIT = 256  # graphs of the decoding step kept: one per batch size and sampling setting met
 
 
-def _step_function(model: CausalLM, compiled: bool) -> Callable[..., DecodeState]:
+def _step_function(model: CausalLM, compiled: bool, device: torch.device) -> Callable[..., DecodeState]:
     """decode_step, or its compiled graphs (one per model, reused by later calls).
 
     One graph serves every cache size (the static caches mark their capacity
-    dynamic); a new batch size, sampling setting or set of stop ids compiles
+    dynamic); on a GPU it is also a CUDA graph (:func:`compile_mode`); a new
+    batch size, sampling setting or set of stop ids compiles
     another, and dynamo's default limit of 8 per function would make the ninth
     a hard error under ``fullgraph``, so the step raises it.
     """
@@ -146,9 +153,15 @@ def _step_function(model: CausalLM, compiled: bool) -> Callable[..., DecodeState
         return decode_step
     if id(model) not in _COMPILED:
         _COMPILED.clear()  # keep one: a graph holds its model alive
-        graph = torch.compile(decode_step, fullgraph=True)
+        graph = torch.compile(decode_step, fullgraph=True, mode=compile_mode(device))
         _COMPILED[id(model)] = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)(graph)
     return _COMPILED[id(model)]
+
+
+def compile_mode(device: torch.device) -> str | None:
+    """torch.compile's mode for the decoding step on ``device``: "reduce-overhead" (CUDA graphs: one replay a
+    step, no kernel launches from Python) on a GPU, the default elsewhere."""
+    return "reduce-overhead" if device.type == "cuda" else None
 
 
 def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOptions, seeds: Tensor,
@@ -169,7 +182,8 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
     if penalties is not None:
         state.counts = torch.zeros(b, model.vocab_size, device=ids.device)  # (B, V)
         state.seen = _seen(ids, mask, model.vocab_size)  # (B, V)
-    step = _step_function(model, opts.compile)
+    step = _step_function(model, opts.compile, ids.device)
+    replayed = opts.compile and compile_mode(ids.device) == "reduce-overhead"
     stats.prompt_tokens = b * t if mask is None else int(mask.sum())
     stats.new_tokens, stats.steps, stats.rows, live = 0, 0, b, b
     begin = time.perf_counter()
@@ -181,6 +195,8 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
         if n > 0:
             with torch.inference_mode():
                 state = step(model, caches, state, opts.sampler, seeds, stop_ids, positions is None, penalties)
+                if replayed:  # a CUDA graph's outputs are overwritten by its next replay: keep copies
+                    state = state.cloned()
             stats.decode_seconds = time.perf_counter() - begin
         stats.new_tokens, stats.steps = stats.new_tokens + live, n + 1  # rows not stopped before this step
         yield state.token

@@ -80,7 +80,8 @@ class GenerationOptions:
             caches (the first call compiles, about a minute for SmolLM2 on
             a CPU: BENCHMARKS.md; the graph serves every cache size, prompt + max_new_tokens;
             another batch size, sampling setting or set of stop ids
-            compiles again).
+            compiles again). On a GPU the graph is also captured as a CUDA
+            graph (``mode="reduce-overhead"``): one replay per step.
         cache: "full" (default: the model's caches, every position kept) or
             "sink:SINKS,WINDOW[,CHUNK]" (a :class:`SinkSpec`): attention sinks
             and a recent window in constant memory, with no limit on new

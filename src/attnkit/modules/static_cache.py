@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch._dynamo
 from torch import Tensor
 
 from .kv_cache import CachedKeys, KVCache, _Ownership, _refuse_repeats, check_narrowing, check_storage_dtype
@@ -83,8 +84,6 @@ class StaticKVCache(_Ownership):
     def mark_capacity_dynamic(self) -> None:
         """Tell ``torch.compile`` the capacity may change from call to call: one graph then serves caches of
         every capacity (each capacity compiled a graph of its own: tens of seconds a chat turn)."""
-        import torch._dynamo
-
         for tensor, dim in ((self.k, 2), (self.v, 2), (self.positions, 1)):
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
@@ -96,6 +95,9 @@ class StaticKVCache(_Ownership):
             self.k = k.new_zeros(b, g, self.capacity + 1, d, dtype=stored)
             self.v = v.new_zeros(b, g, self.capacity + 1, v.shape[3], dtype=stored)
             self.positions = torch.full((b, self.capacity + 1), -1, dtype=torch.long, device=k.device)
+        if k.is_cuda:  # written in place by a CUDA graph's replays: its address must not change between them
+            for tensor in (self.k, self.v, self.positions):
+                torch._dynamo.mark_static_address(tensor)
 
     def _check(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
