@@ -577,15 +577,18 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
     @app.get("/")
     async def page() -> Any:
         """The chat page; the model's name goes in HTML-escaped (its script reads it from ``<body data-model>``),
-        and whether the API needs a key (``<body data-key="required">``: the page shows a field for it). A server
+        whether the API needs a key (``<body data-key="required">``: the page shows a field for it), and whether
+        the model has a chat template (``<body data-chat="none">`` for a base model: completion mode). A server
         of embeddings alone has no page: a 404 says so. (A stand-in for the server, as the page's tests use, needs
-        only those two attributes.)"""
+        only those attributes and a tokenizer.)"""
         if isinstance(server, Server) and not server.serves_text:
             return responses.PlainTextResponse(
                 f"This attnkit server serves embeddings only ({server.model_name}: POST /v1/embeddings); the chat "
                 "page needs a text model (attnkit serve --model smollm2).\n", status_code=404)
         html = resources.files("attnkit.serve").joinpath("chat.html").read_text(encoding="utf-8")
         html = html.replace("__KEY__", "required" if server.api_key is not None else "")
+        chat = getattr(server.tokenizer, "chat_template", None) is not None  # a base model's file has none
+        html = html.replace("__CHAT__", "template" if chat else "none")
         return responses.HTMLResponse(html.replace("__MODEL__", escape(server.model_name, quote=True)))
 
     @app.get("/favicon.ico", include_in_schema=False)
