@@ -28,11 +28,12 @@ from attnkit.serve.api import create_app  # noqa: E402
 
 MODEL = "stub-model"
 HOSTILE = 'a\\b "q" \'s & <b>bold</b> "</script><script>window.pwned=1</script>'
+CHAT_TOKENIZER = types.SimpleNamespace(chat_template="{{ messages }}")  # a chat model: the page opens in chat mode
 
 
 def _render(model: str, api_key: str | None = None) -> Any:
     """GET / of the real app; the page route reads nothing of the server but its model name and key."""
-    app = create_app(types.SimpleNamespace(model_name=model, api_key=api_key))
+    app = create_app(types.SimpleNamespace(model_name=model, api_key=api_key, tokenizer=CHAT_TOKENIZER))
     return testclient.TestClient(app).get("/")
 
 
@@ -306,7 +307,7 @@ def test_page_escapes_the_model_name_and_favicon_needs_no_key() -> None:
     html = _render(HOSTILE).text
     assert "<script>window.pwned" not in html and "<b>" not in html
     assert "&lt;/script&gt;&lt;script&gt;window.pwned=1&lt;/script&gt;" in html
-    app = create_app(types.SimpleNamespace(model_name=MODEL, api_key="secret"))
+    app = create_app(types.SimpleNamespace(model_name=MODEL, api_key="secret", tokenizer=CHAT_TOKENIZER))
     icon = testclient.TestClient(app).get("/favicon.ico")
     assert (icon.status_code, icon.content) == (204, b"")  # browsers ask for it on every load
 
