@@ -27,6 +27,9 @@ class Backend:
     run: Callable[[AttentionCall], Tensor]
     why_not: Callable[[AttentionCall], str | None] = _always
     run_with_weights: Callable[[AttentionCall], tuple[Tensor, Tensor]] | None = None
+    # plan(call): a runner for every call of a step shaped like ``call`` (same T, S, heads, band and mask
+    # presence), its decisions made once (a model's StepContext asks once per step); None: ``run`` each call
+    plan: Callable[[AttentionCall], Callable[[AttentionCall], Tensor]] | None = None
 
 
 BACKENDS: dict[str, Backend] = {}

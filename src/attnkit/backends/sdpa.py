@@ -28,6 +28,8 @@ S keys, D head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -111,6 +113,42 @@ def sdpa_attention(call: AttentionCall) -> Tensor:
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 
+def sdpa_plan(call: AttentionCall) -> Callable[[AttentionCall], Tensor]:
+    """:func:`sdpa_attention` for every call of a step shaped like ``call``, its choices made once: the mask
+    and is_causal flag (the step's calls share ``call.mask``: a model's StepContext builds it once), folding
+    the query heads, the rows that see no key (opened, then zeroed) and whether to look for NaN queries.
+    Calls with modifiers, sinks or dropout keep the full adapter."""
+    if call.modified or call.sinks is not None or call.dropout_p > 0:
+        return sdpa_attention
+    mask, is_causal = _mask_and_flag(call)
+    always_fill = torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(call.q)
+    empty = None
+    if mask is not None and call.may_have_empty_rows():
+        mask, empty = _open_empty_rows(mask)
+        if not always_fill and not bool(empty.any()):  # one read for the step
+            empty = None
+    b, h, t, _ = call.q.shape
+    g = call.num_kv_heads
+    fold = g != h and t == 1 and (mask is None or mask.shape[1] == 1)
+    expand = g != h and not fold
+    watch_nan = mask is None and call.q.device.type == "cpu"
+
+    def run(c: AttentionCall) -> Tensor:
+        q, k, v = c.q, c.k, c.v
+        if fold:
+            q = q.reshape(b, g, h // g, q.shape[-1])  # (B, H, 1, D) -> (B, G, R, D): R rows per kv head
+        elif expand:
+            k, v = expand_kv(k, h), expand_kv(v, h)  # (B, G, S, D) -> (B, H, S, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=c.scale)
+        if fold:
+            out = out.reshape(b, h, 1, out.shape[-1])  # (B, G, R, Dv) -> (B, H, 1, Dv)
+        if watch_nan and (always_fill or bool(c.q.isnan().any())):
+            out = out.masked_fill(c.q.isnan().any(dim=-1, keepdim=True), torch.nan)
+        return out if empty is None else out.masked_fill(empty, 0.0)
+
+    return run
+
+
 def _why_not(call: AttentionCall) -> str | None:
     if call.score_mod is not None and additive_bias(call.score_mod) is None:
         return (f"it applies a score_mod only as an additive bias (a ScoreModifier with a bias, such as alibi), "
@@ -122,4 +160,4 @@ def _why_not(call: AttentionCall) -> str | None:
     return None
 
 
-register(Backend(name="sdpa", run=sdpa_attention, why_not=_why_not))
+register(Backend(name="sdpa", run=sdpa_attention, why_not=_why_not, plan=sdpa_plan))

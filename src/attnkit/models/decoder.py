@@ -22,7 +22,7 @@ I feed-forward width, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from attnkit.functional.norm import RMSNorm
 from attnkit.modules import Int8KVCache, KVCache, StaticKVCache
 from attnkit.modules.context import StepContext
+from attnkit.modules.int8_cache import ACTIVATIONS as INT8_ACTIVATIONS
 from attnkit.modules.kv_cache import STORAGE_DTYPES, Cache, check_cache, check_positions, transaction
 from attnkit.modules.quantize import check_conversion, quantize, resolve_form
 
@@ -137,6 +138,7 @@ class DecoderModel(GenerationMixin, nn.Module):
         if dtype is not None and dtype not in (*STORAGE_DTYPES, torch.int8):
             raise ValueError(f"new_caches stores keys and values in None (the model's dtype), "
                              f"{', '.join(map(str, STORAGE_DTYPES))} or torch.int8, got dtype={dtype!r}")
+        self._check_storage(dtype)
         if dtype == torch.int8:
             if static:
                 raise ValueError("an int8 cache grows (Int8KVCache): there is no static one; use static=False, or "
@@ -148,6 +150,16 @@ class DecoderModel(GenerationMixin, nn.Module):
             return [StaticKVCache(capacity, dtype=dtype) for _ in self.layers]
         return [KVCache(capacity, dtype=dtype) for _ in self.layers]
 
+    def _check_storage(self, dtype: torch.dtype | None) -> None:
+        """Keys stored in ``dtype`` must come from layers it can take (the caches' own check, once for all)."""
+        keys = cast(nn.Module, self.layers[0].attention).get_buffer("activation").dtype  # every layer's keys' dtype
+        if dtype in STORAGE_DTYPES and keys not in (torch.float32, dtype):
+            raise ValueError(f"a cache with dtype={dtype} stores a float32 layer's keys in fewer bytes, got {keys} "
+                             f"keys: use dtype=None (the layer's dtype) with a {keys} model")
+        if dtype == torch.int8 and keys not in INT8_ACTIVATIONS:
+            raise ValueError(f"Int8KVCache takes float32 or bfloat16 keys and values of one dtype, got {keys} "
+                             "(the model's dtype)")
+
     def _hidden(self, input_ids: Tensor, context: StepContext, kv_caches: Sequence[Cache | None]) -> Tensor:
         x = self.embed_tokens(input_ids)  # (B, T) -> (B, T, C)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
@@ -155,18 +167,22 @@ class DecoderModel(GenerationMixin, nn.Module):
         return self.norm(x)
 
     def _run(self, input_ids: Tensor, positions: Tensor | None, key_mask: Tensor | None,
-             kv_caches: Sequence[Cache] | None) -> Tensor:
+             kv_caches: Sequence[Cache] | None, checked: bool = False) -> Tensor:
+        """Final-normed hidden states (B, T, C). ``checked`` (``forward``): every cache checks its update and a
+        call that raises leaves them all as they were; ``step`` runs raw over caches its caller built."""
         b, t = input_ids.shape
         if kv_caches is None:
             context = StepContext(t, positions=positions, key_mask=key_mask)
             return self._hidden(input_ids, context, [None] * len(self.layers))
+        if positions is None:  # the caches advance together: the first one says where this step goes
+            at = kv_caches[0].next_positions(b, t, input_ids.device)  # int, or (B, T)
+            context = StepContext(t, offset=at, key_mask=key_mask, check_caches=checked) if isinstance(at, int) \
+                else StepContext(t, positions=at, key_mask=key_mask, check_caches=checked)
+        else:
+            context = StepContext(t, positions=positions, key_mask=key_mask, check_caches=checked)
+        if not checked:
+            return self._hidden(input_ids, context, kv_caches)
         with transaction(kv_caches, [block.attention for block in self.layers]):  # all caches, or none, change
-            if positions is None:  # the caches advance together: the first one says where this step goes
-                at = kv_caches[0].next_positions(b, t, input_ids.device)  # int, or (B, T)
-                context = StepContext(t, offset=at, key_mask=key_mask) if isinstance(at, int) else StepContext(
-                    t, positions=at, key_mask=key_mask)
-            else:
-                context = StepContext(t, positions=positions, key_mask=key_mask)
             return self._hidden(input_ids, context, kv_caches)
 
     def _check_caches(self, kv_caches: object) -> Sequence[Cache] | None:
@@ -223,10 +239,11 @@ class DecoderModel(GenerationMixin, nn.Module):
             positions = check_positions(positions, *input_ids.shape)
         self._check_room(input_ids, positions, caches)
         key_mask = self._key_mask(input_ids, attention_mask, caches)
-        return self.lm_head(self._run(input_ids, positions, key_mask, caches))  # (B, T, C) -> (B, T, V)
+        return self.lm_head(self._run(input_ids, positions, key_mask, caches, checked=True))  # (B, T, V)
 
     def step(self, input_ids: Tensor, positions: Tensor | None, kv_caches: Sequence[Cache]) -> Tensor:
-        """Logits (B, V) of the last position only; no checks (the generation loop made them)."""
+        """Logits (B, V) of the last position only; no checks and no cache transaction (the generation loop and
+        the serving engine check at their doors and build the caches)."""
         return self.lm_head(self._run(input_ids, positions, None, kv_caches)[:, -1])  # (B, T, C) -> (B, V)
 
 

@@ -309,7 +309,10 @@ class MultiHeadAttention(AttentionHeads):
         if self.rope is not None:
             cos, sin = ctx.angles(self.rope, t, q.dtype, q.device)  # (T, D) or (B, 1, T, D)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys = CachedKeys(k, v, ctx.positions) if cache is None else cache.update(k, v, ctx.positions)
+        if cache is None:
+            keys: CachedKeys | PackedKeys = CachedKeys(k, v, ctx.positions)
+        else:  # a model's forward checks what its caller's caches are handed; its step writes raw
+            keys = (cache.update if ctx.check_caches else cache.write)(k, v, ctx.positions)
         plain = self.window is None and self.score_mod is None and self.mask_mod is None and self.sinks is None
         if not (plain and type(keys) is CachedKeys):  # windows trim keys, modifiers read positions, packed keys
             at = ctx.offset if ctx.positions is None else ctx.positions

@@ -41,12 +41,16 @@ class StepContext:
             symbolic band: kernels need no mask).
         positions: (B, T) long, each token's own position (-1: padding), or None.
         key_mask: (B, S) bool, True = a real key; None: every key is real.
+        check_caches: each layer has its cache check this step's keys before
+            storing them (a model's ``forward``: the caches are the caller's);
+            False inside ``step``, whose caller built them.
     """
 
     length: int
     offset: int = 0
     positions: Tensor | None = None
     key_mask: Tensor | None = None
+    check_caches: bool = False
     _angles: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[bool, int | None], Tensor] = field(default_factory=dict, repr=False)
     _kernels: dict[tuple[str, bool, bool, bool, bool], Callable[[AttentionCall], Tensor]] = field(
@@ -55,14 +59,16 @@ class StepContext:
     def kernel(self, backend: str, call: AttentionCall) -> Callable[[AttentionCall], Tensor]:
         """The kernel ``backend`` ("auto", "sdpa", ...) chooses for calls like ``call``, chosen once per step:
         every layer of the step makes calls of one size, band and mask (a layer with dropout in training, or
-        keys stored in fewer bytes, gets its own choice). While :func:`attnkit.trace` observes
+        keys stored in fewer bytes, gets its own choice); a kernel with a ``plan`` (SDPA) makes its decisions
+        for the step's calls once. While :func:`attnkit.trace` observes
         attention, every call goes through :func:`attnkit.backends.run`, which records it."""
         key = (backend, call.causal, call.mask is None, call.k.dtype != call.q.dtype, call.dropout_p > 0)
         if key not in self._kernels:
             if observed():
                 self._kernels[key] = lambda c: run(c, backend=backend)  # type: ignore[assignment,return-value]
             else:
-                chosen = choose(backend, call, return_weights=False).run
+                kernel = choose(backend, call, return_weights=False)
+                chosen = kernel.run if kernel.plan is None or key[3] else kernel.plan(call)  # decided once a step
                 self._kernels[key] = (lambda c: chosen(widened(c))) if key[3] else chosen
         return self._kernels[key]
 

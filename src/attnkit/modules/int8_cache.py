@@ -186,10 +186,11 @@ class Int8KVCache(GrowingSlots):
             assert self._kc is not None
             self._number_held_slots(self._kc.shape[2], k.shape[0], k.device)
 
-    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> Int8Keys:
-        """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position)."""
+    def write(self, k: Tensor, v: Tensor, positions: Tensor | None) -> Int8Keys:
+        """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position), unchecked
+        (:meth:`update` checks first)."""
         start, t = self._length, k.shape[2]
-        self._reserve(self._begin_update(k, v, positions), k, v, positions is not None)
+        self._reserve(self._begin_update(k), k, v, positions is not None)
         assert self._kc is not None and self._ks is not None and self._vt is not None and self._vs is not None
         new = slice(start, start + t)
         if k.shape == v.shape:  # one pass over both: (2, B, G, T, D)

@@ -17,10 +17,16 @@ their positions, hands them to the cache, and attends over what it gets back.
   sits at position j of every row. A cache storing a packed form may return
   :class:`PackedKeys` instead, which the layer dequantises (or reads with its
   own kernel: :mod:`attnkit.modules.int8_cache`).
+- ``write(k, v, positions)``: ``update`` without its checks, for a model's
+  ``step`` (the generation loop and the serving engine, which built the
+  caches and checked the inputs at their doors). attnkit's caches check an
+  update in ``check(k, v, positions)``, then ``write`` it; a layer called
+  alone and a model's ``forward`` call ``update``.
 - ``claim(owner) -> checkpoint`` and ``restore(checkpoint)``: the first marks
   the cache as one layer's (another layer writing to it is an error) and
   saves its state; the second undoes everything since. :func:`transaction`
-  uses them so that a call that raises leaves every cache as it was.
+  uses them so that a call that raises leaves every cache as it was (on the
+  checked paths only).
 
 Implementations: :class:`KVCache` (contiguous, growing by doubling),
 :class:`attnkit.modules.static_cache.StaticKVCache` (preallocated, slot =
@@ -90,6 +96,8 @@ class Cache(Protocol):
     def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor: ...
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys | PackedKeys: ...
+
+    def write(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys | PackedKeys: ...
 
     def claim(self, owner: object) -> Any: ...
 
@@ -165,10 +173,25 @@ def check_positions(positions: object, batch: int, length: int) -> Tensor:
 
 
 class _Ownership:
-    """The owner check that both caches share: one cache, one layer."""
+    """What attnkit's dense caches share: the owner check (one cache, one layer), and ``update`` = ``check``,
+    then ``write``."""
 
     _owner: int | None
     _kind: str
+
+    def check(self, k: Tensor, v: Tensor, positions: Tensor | None) -> None:
+        """Raise a ValueError for k, v (B, G, T, D) at ``positions`` that this cache cannot store."""
+        raise NotImplementedError
+
+    def write(self, k: Tensor, v: Tensor, positions: Tensor | None) -> Any:
+        """Store k, v (B, G, T, D) at ``positions`` (B, T; None: after what is held), unchecked; what to attend to."""
+        raise NotImplementedError
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> Any:
+        """Check, then store k, v (B, G, T, D) at ``positions`` (B, T; None: after what is held); return what
+        to attend to: :class:`CachedKeys` (or :class:`PackedKeys` for a packed cache)."""
+        self.check(k, v, positions)
+        return self.write(k, v, positions)
 
     def _claim_owner(self, owner: object) -> int | None:
         if self._owner is not None and self._owner != id(owner):
@@ -244,7 +267,7 @@ class GrowingSlots(_Ownership):
 
     def _leave_inference_mode(self) -> None:
         """Storage made under ``torch.inference_mode()`` cannot be written outside it: copy it once."""
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # dynamo cannot trace the second
             return
         held = self._storage()
         if any(x is not None and x.is_inference() for x in held):  # positions may come later than keys
@@ -277,16 +300,20 @@ class GrowingSlots(_Ownership):
         last = self._pos[:, : self._length].amax(dim=1, keepdim=True)  # (B, 1)
         return last + 1 + torch.arange(length, device=last.device)  # (B, T)
 
-    def _begin_update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> int:
-        """What every growing cache checks before storing k, v (B, G, T, D): their shapes and dtype
-        (``_check``), the capacity and the positions; returns the slots held after the call."""
+    def check(self, k: Tensor, v: Tensor, positions: Tensor | None) -> None:
+        """Raise a ValueError for k, v (B, G, T, D) at ``positions`` that this cache cannot store: their shapes
+        and dtype (``_check``), the capacity, positions that repeat what it holds."""
         self._check(k, v)
-        self._leave_inference_mode()
-        needed = self._length + k.shape[2]
-        if self.capacity is not None and needed > self.capacity:
+        if self.capacity is not None and self._length + k.shape[2] > self.capacity:
             raise ValueError(f"{type(self).__name__} capacity {self.capacity} exceeded: it holds {self._length} "
                              f"positions and {k.shape[2]} more were appended")
         self._check_after(positions, k.shape[0], k.device)
+
+    def _begin_update(self, k: Tensor) -> int:
+        """The slots held once k (B, G, T, D) is stored (:meth:`check` checked the capacity)."""
+        self._leave_inference_mode()
+        needed = self._length + k.shape[2]
+        assert self.capacity is None or needed <= self.capacity, f"{self._kind} capacity {self.capacity} exceeded"
         return needed
 
     def _check(self, k: Tensor, v: Tensor) -> None:
@@ -408,17 +435,21 @@ class KVCache(GrowingSlots):
             assert self._k is not None
             self._number_held_slots(self._k.shape[2], k.shape[0], k.device)
 
-    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
-        """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position)."""
-        needed = self._begin_update(k, v, positions)
-        self._reserve(needed, k, v, positions is not None)
+    def write(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
+        """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position), unchecked
+        (:meth:`update` checks first)."""
+        needed = self._begin_update(k)
+        if self._k is None or needed > self._k.shape[2] or (positions is not None and self._pos is None):
+            self._reserve(needed, k, v, positions is not None)
         assert self._k is not None and self._v is not None  # _reserve allocated them
         start, self._length = self._length, needed
-        self._k[:, :, start:needed] = k.detach()
-        self._v[:, :, start:needed] = v.detach()
-        self._note_positions(start, needed, positions, k.shape[0], k.device)
+        grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        self._k[:, :, start:needed] = k.detach() if grad else k  # held keys are constants
+        self._v[:, :, start:needed] = v.detach() if grad else v
+        if self._pos is not None:
+            self._note_positions(start, needed, positions, k.shape[0], k.device)
         held = None if self._pos is None else self._pos[:, :needed]  # (B, S)
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        if grad:
             # keep autograd's path to this call's keys and values (earlier ones are constants)
             k, v = k.to(self._k.dtype), v.to(self._v.dtype)  # rounded as stored (differentiable)
             return CachedKeys(torch.cat([self._k[:, :, :start], k], dim=2),  # (B, G, S - T, D) + (B, G, T, D)

@@ -158,7 +158,9 @@ class SinkCache(_Ownership):
         """Where a call of ``length`` tokens starts: after what is held once this call's eviction is done."""
         return self._length - self.evicted_before(length)
 
-    def _check(self, k: Tensor, v: Tensor, positions: Tensor | None) -> None:
+    def check(self, k: Tensor, v: Tensor, positions: Tensor | None) -> None:
+        """Raise a ValueError for k, v (B, G, T, D) this cache cannot take: explicit positions, another shape,
+        dtype or device, keys of another head size than its rotary embedding's."""
         if positions is not None:
             raise ValueError("SinkCache assigns positions inside the cache (sinks at 0 .. sinks - 1, the window "
                              "right after), so it takes no explicit positions: call the layer without positions "
@@ -223,12 +225,12 @@ class SinkCache(_Ownership):
                 not torch.is_inference_mode_enabled()):
             self._k, self._v = self._k.clone(), self._v.clone()
 
-    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
+    def write(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Evict if this call needs room, then store k, v (B, G, T, D) after what is held; return all held.
 
-        ``k`` must have been rotated at :meth:`next_positions` (the layer does so).
+        ``k`` must have been rotated at :meth:`next_positions` (the layer does so). Unchecked (:meth:`update`
+        checks first).
         """
-        self._check(k, v, positions)
         self._leave_inference_mode()
         t = k.shape[2]
         evicted = self.evicted_before(t)

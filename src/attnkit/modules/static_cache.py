@@ -99,11 +99,20 @@ class StaticKVCache(_Ownership):
             for tensor in (self.k, self.v, self.positions):
                 torch._dynamo.mark_static_address(tensor)
 
-    def _check(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    def check(self, k: Tensor, v: Tensor, positions: Tensor | None) -> None:
+        """Raise a ValueError for k, v (B, G, T, D) at ``positions`` (B, T; None: after what is held) that this
+        cache cannot store: gradients, another shape, dtype or device, a position past the capacity, a repeat."""
+        check_narrowing(self.dtype, k, v)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise ValueError("StaticKVCache is for inference: call under torch.no_grad() or "
                              "torch.inference_mode(), or use KVCache, which keeps gradients")
-        assert self.k is not None and self.v is not None and self.positions is not None
+        if positions is None:
+            at = self.next_positions(k.shape[0], k.shape[2], k.device)
+            positions = torch.arange(k.shape[2], device=k.device).expand(k.shape[0], -1) if isinstance(at, int) else at
+        if self.k is None or self.v is None or self.positions is None:  # empty: the first call allocates
+            if not torch.compiler.is_compiling() and int(positions.max()) >= self.capacity:
+                raise ValueError(f"StaticKVCache capacity {self.capacity} exceeded: position {int(positions.max())}")
+            return
         if (k.shape[0], k.shape[1], k.shape[3], self.dtype or k.dtype, k.device) != (
                 self.k.shape[0], self.k.shape[1], self.k.shape[3], self.k.dtype, self.k.device):
             held = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
@@ -118,19 +127,18 @@ class StaticKVCache(_Ownership):
             raise ValueError(f"StaticKVCache capacity {self.capacity} exceeded: position {int(positions.max())}")
         _refuse_repeats(self.positions.amax(dim=1), positions)
 
-    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
+    def write(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Write k, v (B, G, T, D) into the slots ``positions`` (B, T); return every slot and its position.
 
-        A -1 position (padding) is written to a spare slot that no query sees.
+        A -1 position (padding) is written to a spare slot that no query sees. Unchecked (:meth:`update`
+        checks first).
         """
-        check_narrowing(self.dtype, k, v)
         if self.k is None:
             self._allocate(k, v)
         if positions is None:
             at = self.next_positions(k.shape[0], k.shape[2], k.device)
             positions = torch.arange(k.shape[2], device=k.device).expand(k.shape[0], -1) if isinstance(at, int) else at
         assert self.k is not None and self.v is not None and self.positions is not None
-        self._check(k, v, positions)
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
         spare = self.k.shape[2] - 1  # = capacity, read from the storage: one compiled graph serves every capacity
         slots = positions.masked_fill(positions < 0, spare)  # (B, T): padding goes to the spare slot
