@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -289,3 +290,78 @@ def test_sigint_during_an_answer_in_a_real_process_keeps_the_session(tmp_path: P
     _, err = chat.communicate(b"/exit\n", timeout=120)
     assert chat.returncode == 0, err.decode()
     assert b"answer stopped by Ctrl-C" in err and b"Traceback" not in err
+
+
+# A conversation keeps its KV caches between turns: each turn prefills its new tokens only.
+
+SPEED = re.compile(r"^prompt: (?:(\d+) tokens|prefilled (\d+) new tokens \((\d+) cached\)|recomputed (\d+) tokens "
+                   r"\((.+)\)) in ")
+
+
+def _speeds(err: str) -> list[tuple[str, ...]]:
+    """Each speed line's prompt part: ("fresh", n), ("continued", new, cached) or ("recomputed", n, why)."""
+    found = []
+    for line in err.splitlines():
+        m = SPEED.match(line)
+        if m is not None:
+            fresh, new, cached, again, why = m.groups()
+            found.append(("fresh", fresh) if fresh else ("continued", new, cached) if new else
+                         ("recomputed", again, why))
+    return found
+
+
+def test_the_next_turn_prefills_only_its_new_tokens_and_answers_as_recomputing(
+        tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bug: each turn recomputed the whole conversation (37, 60, 138 prompt tokens); /reset starts afresh."""
+    prompts = _prompts(monkeypatch)
+    _typing(monkeypatch, ["hi", "the sin", "/reset", "hi"])
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    monkeypatch.undo()
+    first, second = prompts[1], prompts[2]
+    n1, n2 = (len(model.tokenizer.chat_ids(m)) for m in (first, second))
+    speeds = _speeds(err)
+    assert len(speeds) == 3, err
+    assert speeds[0] == ("fresh", str(n1)) and speeds[2] == ("fresh", str(n1))  # after /reset: nothing cached
+    kind, new, cached = speeds[1]
+    assert kind == "continued" and int(new) + int(cached) == n2 and n1 < int(cached) < n2, speeds[1]
+    assert out.split("\n")[:3] == [_answer(model, first, 6), _answer(model, second, 6), _answer(model, first, 6)]
+
+
+def _counting_template_file(path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A tiny file whose template opens with the number of messages: each turn re-renders the conversation's
+    first tokens differently."""
+    from tests.models import _decoder
+
+    counting = "{{ messages | length }}" + _decoder.CHATML
+    with monkeypatch.context() as patch:
+        patch.setattr(_decoder, "CHATML", counting)
+        write_tiny_llama(path, context=128)
+    return str(path)
+
+
+@pytest.mark.parametrize("how", ["template", "sink", "trimmed"])
+def test_a_history_the_caches_cannot_continue_is_recomputed_and_says_why(
+        tiny: str, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The fallback: a template that re-renders earlier turns, a sink cache, a history cut to fit the context."""
+    from attnkit.models import load_gguf
+
+    path = _counting_template_file(tmp_path / "counting.gguf", monkeypatch) if how == "template" else tiny
+    options = {"template": [], "sink": ["--cache", "sink:4,16,8"], "trimmed": []}[how]
+    lines = ["the sin " * 6, "hi", "the sin " * 4, "a"] if how == "trimmed" else ["hi", "the sin"]
+    prompts = _prompts(monkeypatch)
+    _typing(monkeypatch, lines)
+    assert main(["chat", "--gguf", path, "--max-new-tokens", "4", *options]) == 0
+    out, err = capsys.readouterr()
+    monkeypatch.undo()
+    speeds = _speeds(err)
+    assert speeds[0][0] == "fresh" and len(speeds) == len(lines), err
+    why = {"template": "its tokens differ from the ", "sink": "--cache sink:4,16,8 evicts positions",
+           "trimmed": "the oldest turns were dropped to fit the context"}[how]
+    recomputed = [s for s in speeds if s[0] == "recomputed"]
+    assert recomputed and all(why in s[2] for s in recomputed), speeds
+    last = len(load_gguf(path, weights="auto").tokenizer.chat_ids(prompts[-1]))
+    assert speeds[-1][:2] == ("recomputed", str(last))  # the whole conversation, counted
+    if how == "template":  # a template that re-renders earlier turns: still the answer recomputing gives
+        assert out.split("\n")[1] == _answer(load_gguf(path, weights="auto"), prompts[-1], 4)

@@ -17,6 +17,12 @@ need("tokenizers")
 need("rich")
 
 
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("cli") / "tiny.gguf"
@@ -144,7 +150,8 @@ def test_chat_keeps_the_conversation_and_resets(tiny: str, capsys: pytest.Captur
 @pytest.mark.usefixtures("uncached_compile")
 def test_chat_compiled_answers_as_eager_and_compiles_once(tiny: str, capsys: pytest.CaptureFixture[str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every turn has another cache size: one graph serves them all."""
+    """Every turn has another cache size: one graph serves them all. Static caches cannot continue: each turn
+    recomputes the conversation, and says so."""
     from torch._dynamo.utils import counters
 
     answers = []
@@ -153,8 +160,10 @@ def test_chat_compiled_answers_as_eager_and_compiles_once(tiny: str, capsys: pyt
         monkeypatch.setattr(builtins, "input", lambda prompt="", lines=lines: next(lines))
         before = counters["stats"]["unique_graphs"]
         assert main(["chat", "--gguf", tiny, "--max-new-tokens", "4", *extra]) == 0
-        answers.append(capsys.readouterr().out)
+        out, err = capsys.readouterr()
+        answers.append(out)
     assert answers[1] == answers[0] and counters["stats"]["unique_graphs"] - before == 1
+    assert err.count("tokens (--compile's static caches cannot continue) in ") == 2  # turns 2 and 3
 
 
 @pytest.mark.parametrize("ending", [EOFError, KeyboardInterrupt])
@@ -246,4 +255,62 @@ def test_a_slow_dtype_is_one_warning_line(tiny: str, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "warning:" in line]
     assert len(lines) == 1 and "float32" in lines[0] and "SlowDtypeWarning" not in err
-    assert ": bfloat16 weights, bfloat16 compute" in err  # plain weights in --dtype, not "float32 weights"
+    assert "tiny.gguf (bfloat16 weights, CPU capability" in err  # plain weights in --dtype, not "float32 weights"
+    assert "): bfloat16 compute" in err
+
+
+# The options generate, chat and serve share; the load line.
+
+def test_the_load_line_names_the_model_and_its_threads_not_a_path(tiny: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Bug: the load line was a long site-packages path; --threads is said there, and applied."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "--gguf", tiny, "--threads", "2", "--max-new-tokens", "2", "the"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "KV cache" in line]
+    assert line.startswith("tiny.gguf (") and str(Path(tiny).parent) not in line
+    assert line.endswith(", 2 CPU threads")
+
+
+def test_the_packaged_model_is_called_by_its_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.models._decoder import need_smollm2
+
+    need_smollm2()
+    assert main(["generate", "--max-new-tokens", "1", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("SmolLM2-135M-Instruct (") and "site-packages" not in err
+
+
+@pytest.mark.skipif(torch_cuda(), reason="checks the error given without a CUDA device")
+def test_cuda_without_a_gpu_is_one_line_naming_it(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["generate", "hi"], ["chat"]):
+        assert main([command[0], "--gguf", tiny, "--device", "cuda", *command[1:]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--device cuda asked for, but this PyTorch" in err and "no CUDA GPU" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch_cuda(), reason="needs a CUDA device")
+def test_generate_and_chat_on_a_gpu_answer_as_on_the_cpu(tiny: str, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda runs the plain weights there: the greedy text of the CPU's plain weights (tiny margins
+    aside), and packed weights are refused by name."""
+    args = ["generate", "--gguf", tiny, "--weights", "float32", "--max-new-tokens", "6", "the"]
+    assert main(args) == 0
+    on_cpu = capsys.readouterr().out
+    assert main([*args, "--device", "cuda"]) == 0
+    out, err = capsys.readouterr()
+    assert out == on_cpu and "(float32 weights, cuda, " in err
+    assert main([*args, "--device", "cuda", "--kv-dtype", "int8"]) == 0  # dequantised there: no CPU kernel
+    assert "int8 KV cache" in capsys.readouterr().err
+    lines = _typing(["hi", "the"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    assert main(["chat", "--gguf", tiny, "--device", "cuda", "--max-new-tokens", "4"]) == 0
+    assert "prefilled " in capsys.readouterr().err
+    assert main(["generate", "--gguf", tiny, "--device", "cuda", "--weights", "int4", "hi"]) == 2
+    assert "--weights int4 packs the weights for PyTorch's CPU kernels" in capsys.readouterr().err

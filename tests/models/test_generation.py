@@ -477,3 +477,104 @@ def test_a_stream_keeps_the_space_a_sentencepiece_decoder_drops_at_a_text_s_star
     alone, after = TextStream(decode), TextStream(decode, context=[1])
     assert [alone.add(2), alone.add(3)] == ["Paris", "!"]  # no prompt before it: nothing to keep
     assert [after.add(2), after.add(3)] == [" Paris", "!"]
+
+
+# Kept caches: a conversation's next prompt prefills only its new tokens.
+
+def _continued(model: Any, first: torch.Tensor, more: list[int]) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
+    """Generate after ``first``, then after its output plus ``more``, over one KeptCaches: both outputs, the
+    kept caches and the second run's stats."""
+    from attnkit.models.generation import KeptCaches
+
+    kept, stats = KeptCaches(), GenerationStats()
+    out = model.generate(first, max_new_tokens=5, stop_ids=[], kept=kept)
+    second = torch.cat([out, torch.tensor([more])], dim=1)  # (1, T + 5 + len(more))
+    return out, model.generate(second, max_new_tokens=5, stop_ids=[], kept=kept, stats=stats), kept, stats
+
+
+def test_kept_caches_prefill_only_the_new_tokens_and_answer_as_a_fresh_run_float64(tiny64: Any) -> None:
+    """Bug: each chat turn recomputed the whole conversation; continuing must give the fresh run's answer."""
+    first = tiny64.tokenize("the sin")["input_ids"]
+    out, again, kept, stats = _continued(tiny64, first, [7, 8, 9])
+    second = again[:, : out.shape[1] + 3]
+    assert torch.equal(again, tiny64.generate(second, max_new_tokens=5, stop_ids=[]))
+    assert stats.prompt_tokens == 1 + 3  # the first run's last token (never fed back) and the three added
+    assert torch.equal(kept.ids, again[:, :-1]) and kept.length == again.shape[1] - 1  # the last one is not fed
+    with torch.inference_mode():  # the continued caches hold what a full forward computes
+        logits = tiny64(again[:, :-1])[0, second.shape[1] - 1 :]
+    assert torch.equal(logits.argmax(-1), again[0, second.shape[1] :])
+
+
+def test_kept_caches_under_quantized_weights_and_an_int8_cache_answer_as_a_fresh_run(tiny_path: Path) -> None:
+    """The chat's default form (int4 / int8 weights) and --kv-dtype int8: greedy answers equal a fresh run."""
+    model = load_gguf(tiny_path, weights="auto")
+    first = model.tokenize("the sin")["input_ids"]
+    for kv_dtype in (None, "int8"):
+        from attnkit.models.generation import KeptCaches
+
+        kept = KeptCaches()
+        out = model.generate(first, max_new_tokens=4, stop_ids=[], kept=kept, kv_dtype=kv_dtype)
+        second = torch.cat([out, model.tokenize(" a")["input_ids"]], dim=1)
+        again = model.generate(second, max_new_tokens=4, stop_ids=[], kept=kept, kv_dtype=kv_dtype)
+        assert torch.equal(again, model.generate(second, max_new_tokens=4, stop_ids=[], kv_dtype=kv_dtype)), kv_dtype
+
+
+def test_kept_caches_refuse_a_prompt_that_does_not_continue_them(tiny32: Any) -> None:
+    """Continuing caches with another history, batch size or position count would answer something else."""
+    first = tiny32.tokenize("the sin")["input_ids"]
+    _, _, kept, _ = _continued(tiny32, first, [7])
+    held = kept.ids
+    with pytest.raises(ValueError, match=rf"does not continue the {kept.length} tokens the kept caches hold"):
+        tiny32.generate(torch.cat([held[:, 1:], held[:, :2]], dim=1), max_new_tokens=2, kept=kept)
+    with pytest.raises(ValueError, match=rf"does not continue the {kept.length} tokens"):
+        tiny32.generate(held, max_new_tokens=2, kept=kept)  # no new token to prefill
+    with pytest.raises(ValueError, match=r"the kept caches hold 1 rows and input_ids has 2"):
+        tiny32.generate(torch.cat([held, held]), max_new_tokens=2, kept=kept)
+    assert torch.equal(kept.ids, held)  # a refused run changes nothing
+    kept.caches[0].crop(kept.length - 1)
+    with pytest.raises(ValueError, match=r"hold a different number of positions"):
+        tiny32.generate(torch.cat([held, held[:, :1]], dim=1), max_new_tokens=2, kept=kept)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(compile=True), "compile=True runs over static caches"),
+    (dict(cache="sink:4,8,8"), "cache='sink:4,8,8' evicts positions"),
+    (dict(kv_dtype="bfloat16"), r"kept caches store the model's dtype and this run asks for kv_dtype=torch\.bfloat16"),
+])
+def test_kept_caches_refuse_options_they_cannot_continue_under(tiny32: Any, options: dict[str, Any],
+                                                               message: str) -> None:
+    from attnkit.models.generation import KeptCaches
+
+    kept = KeptCaches()
+    out = tiny32.generate(tiny32.tokenize("the sin")["input_ids"], max_new_tokens=2, stop_ids=[], kept=kept)
+    with pytest.raises(ValueError, match=message):
+        tiny32.generate(torch.cat([out, out], dim=1), max_new_tokens=2, kept=kept, **options)
+    batch = tiny32.tokenize(["the sin", "a"])
+    with pytest.raises(ValueError, match="prompts without padding"):
+        tiny32.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=2, kept=KeptCaches())
+
+
+def test_kept_caches_note_what_they_hold_when_a_run_stops_early(tiny32: Any) -> None:
+    """An answer stopped after three tokens (a closed stream, Ctrl-C) leaves the prompt and two fed tokens."""
+    from attnkit.models.generation import KeptCaches, generate_steps
+
+    kept, ids = KeptCaches(), tiny32.tokenize("the sin")["input_ids"]
+    steps = generate_steps(tiny32, ids, max_new_tokens=8, stop_ids=[], kept=kept)
+    tokens = [int(next(steps)[0]) for _ in range(3)]
+    steps.close()
+    assert kept.ids.tolist() == [ids[0].tolist() + tokens[:2]]
+    assert all(len(cache) == kept.length for cache in kept.caches)
+    go_on = torch.tensor([kept.ids[0].tolist() + tokens[2:] + [7]])
+    assert torch.equal(tiny32.generate(go_on, max_new_tokens=3, kept=kept, stop_ids=[]),
+                       tiny32.generate(go_on, max_new_tokens=3, stop_ids=[]))
+
+
+def test_a_stream_over_kept_caches_ends_at_its_stop_string_with_the_caches_noted(tiny32: Any) -> None:
+    from attnkit.models.generation import KeptCaches, stream_text
+
+    ids = tiny32.tokenize("the sin")["input_ids"]
+    free = "".join(stream_text(tiny32, tiny32.decode, ids, max_new_tokens=8, stop_ids=[]))
+    kept = KeptCaches()
+    cut = "".join(stream_text(tiny32, tiny32.decode, ids, max_new_tokens=8, stop_ids=[], stop=free[3:5], kept=kept))
+    assert free.startswith(cut) and len(cut) < len(free)
+    assert kept.length > ids.shape[1] and all(len(cache) == kept.length for cache in kept.caches)

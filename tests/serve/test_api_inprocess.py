@@ -53,6 +53,8 @@ COMPLETION = {"model": "tiny", "prompt": "one two three", "max_tokens": 2}
     ("/v1/completions", {**COMPLETION, "logprobs": 0}),  # the chosen tokens' only
     ("/v1/chat/completions", {**CHAT, "frequency_penalty": -2, "presence_penalty": 2, "repetition_penalty": 1.1}),
     ("/v1/chat/completions", {**CHAT, "prompt": None}),  # another endpoint's field, but null
+    ("/v1/chat/completions", {**CHAT, "tools": [], "logit_bias": {}}),  # empty: none
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"3": -100, "4": 100}}),
 ])
 def test_what_openai_accepts_is_accepted(client: Any, route: str, body: dict[str, Any]) -> None:
     """Bug: n=null, response_format text and top_p=0 were refused with a 400."""
@@ -143,6 +145,16 @@ def test_unknown_routes_and_methods_answer_in_openais_error_shape(client: Any) -
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert r.json() == {"error": {"message": "Method not allowed (GET /v1/chat/completions); this route takes POST",
                                   "type": "invalid_request_error", "param": None, "code": None}}
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1")])
+def test_the_responses_api_is_a_404_saying_to_use_chat_completions(client: Any, method: str, path: str) -> None:
+    """Bug: /v1/responses answered "Invalid URL", which says nothing of what this server serves instead."""
+    r = client.request(method, path, json={"model": "tiny", "input": "Hi"})
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert "does not serve the Responses API" in error["message"] and "/v1/chat/completions" in error["message"]
+    assert error["type"] == "invalid_request_error"
 
 
 def test_a_client_that_leaves_a_request_that_does_not_stream_is_cancelled_while_tokens_arrive() -> None:

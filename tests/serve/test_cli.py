@@ -5,6 +5,7 @@ The tiny file loads in a blink and has no chat template: requests go to /v1/comp
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,12 @@ from attnkit.bench.serve import ServerProcess  # noqa: E402
 from tests.models.test_gemma3 import write_tiny_gemma3  # noqa: E402
 
 KEY = {"Authorization": "Bearer key"}
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +110,83 @@ def test_each_request_prints_one_line_unless_no_access_log(tiny: Path, tmp_path:
     else:
         assert len(lines) == 1 and " POST /v1/completions 200 prompt_tokens=" in lines[0], lines
         assert "completion_tokens=2 " in lines[0] and "hello" not in lines[0]
+
+
+# --threads, --device, --kv-dtype, --compile and --cache mean the same on generate, chat and serve.
+
+SHARED = ("--threads", "--device", "--kv-dtype", "--compile", "--cache")
+
+
+def _help_of(command: str, capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """Each shared option's entry in ``attnkit COMMAND --help``, whitespace folded."""
+    assert main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    entries: dict[str, str] = {}
+    for block in re.split(r"\n  (?=-)", text.split("options:", 1)[1]):
+        words = block.split()
+        if words and words[0] in SHARED:
+            entries[words[0]] = " ".join(words)
+    return entries
+
+
+def test_the_shared_options_have_one_help_text_and_one_set_of_choices(capsys: pytest.CaptureFixture[str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: serve's --kv-dtype lacked int8 and its --threads said less; each command defined its own."""
+    monkeypatch.setenv("COLUMNS", "100")
+    helps = {command: _help_of(command, capsys) for command in ("generate", "chat", "serve")}
+    assert set(helps["serve"]) == set(SHARED)
+    assert helps["generate"] == helps["chat"] == helps["serve"]
+    assert "{float32,bfloat16,float16,int8}" in helps["serve"]["--kv-dtype"]
+    assert "OMP_NUM_THREADS=1" in helps["serve"]["--threads"] and "3.2x" in helps["serve"]["--threads"]
+    assert "attnkit serve refuses int8" in helps["serve"]["--kv-dtype"]
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--device", "meta"], "--device meta: expected cpu, cuda or cuda:N, got a meta device"),
+    (["--device", "tpu"], "--device 'tpu' is not a device: expected cpu, cuda or cuda:N"),
+    (["--cache", "sink:4"], "sink:4"),
+])
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_a_bad_shared_option_is_refused_alike_by_every_command(command: str, option: list[str], says: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = ["hi"] if command == "generate" else []
+    assert main([command, "--gguf", "missing.gguf", *option, *prompt]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"attnkit {command}: error: ") and says in err
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    (["--kv-dtype", "int8"], "--kv-dtype int8 is generate's and chat's int8 cache; attnkit serve's paged KV pool "
+                             "stores float32, bfloat16 or float16"),
+    (["--compile"], "--compile compiles generate's and chat's decoding step over static caches; attnkit serve's "
+                    "paged engine runs eagerly"),
+    (["--cache", "sink:4,1020"], "--cache sink:4,1020 keeps a window for generate and chat; attnkit serve's paged "
+                                 "pool keeps every position"),
+])
+def test_serve_refuses_what_its_engine_cannot_honour_naming_it(option: list[str], says: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Values serve cannot honour are refused before any load, never silently ignored."""
+    assert main(["serve", "--gguf", "missing.gguf", *option]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err
+
+
+@pytest.mark.skipif(not torch_cuda(), reason="serve's refusal of a GPU, on a machine that has one")
+def test_serve_refuses_a_gpu_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--gguf", "missing.gguf", "--device", "cuda"]) == 2
+    assert "--device cuda: attnkit serve runs on the CPU" in capsys.readouterr().err
+
+
+def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path) -> None:
+    """--threads, --kv-dtype bfloat16, --device cpu and --cache full: a server that answers, and says so."""
+    process = ServerProcess.attnkit("--gguf", str(tiny), "--kv-memory", "1", "--kv-dtype", "bfloat16", "--device",
+                                    "cpu", "--cache", "full", threads=1, log=tmp_path / "server.log")
+    try:
+        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(process.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        process.stop()
+    (banner,) = [line for line in (tmp_path / "server.log").read_text().splitlines() if "attnkit serve:" in line]
+    assert banner.startswith("attnkit serve: tiny.gguf, model id tiny (") and "; 1 CPU threads)" in banner
+    assert " bfloat16 KV blocks of 16 positions" in banner

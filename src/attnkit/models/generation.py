@@ -20,6 +20,10 @@ The caches are the model's (``new_caches``: growing, or static under
 as many new tokens as asked for (past the context length), the prompt fed in
 pieces that keep the cache's bound.
 
+A conversation keeps its caches between runs (:class:`KeptCaches`): the
+next prompt, which starts with the tokens they hold, prefills only its new
+tokens, through the same loop.
+
 Padding: a left-padded row's padding gets position -1 (a key nobody sees)
 and its real tokens positions 0, 1, ..., so each row computes what it
 computes alone (the same values up to rounding: :mod:`.sampling`). :func:`decode_step` has no host synchronisation: with
@@ -33,8 +37,9 @@ Legend: B batch, T prompt tokens, S positions in the caches, V vocabulary.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence, Sized
+from contextlib import closing
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import torch
@@ -113,11 +118,115 @@ def _seen(ids: Tensor, mask: Tensor | None, vocab_size: int) -> Tensor:
     return torch.zeros(ids.shape[0], vocab_size, device=ids.device).scatter_add_(1, ids, real) > 0  # (B, V)
 
 
+@dataclass
+class KeptCaches:
+    """The KV caches of one conversation, kept from a generation run to the next.
+
+    Give the same object to each run (``generate_steps``, ``generate`` or
+    ``stream_text`` with ``kept=``): the first run makes the model's growing
+    caches; every run prefills only the tokens of ``input_ids`` after the
+    ``length`` positions the caches hold (``input_ids`` must start with
+    :attr:`ids`, and hold at least one more token), and leaves :attr:`ids` at
+    what they hold when it ends: the prompt and each new token fed back (all
+    but the last one sampled; an interrupted step is rolled back). The
+    answer equals a run over the whole prompt (up to rounding: the new
+    tokens attend to keys computed in another order). Prompts without
+    padding, full caches only (not ``compile``, not a sink cache).
+
+    ``caches``: one per attention layer (empty until the first run);
+    ``ids``: (B, S) long, the tokens whose keys and values they hold.
+    """
+
+    caches: list[Cache] = field(default_factory=list)
+    ids: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """S, the positions the caches hold (0 before the first run)."""
+        return 0 if self.ids is None else self.ids.shape[1]
+
+    def matches(self, input_ids: Tensor) -> bool:
+        """Whether ``input_ids`` (B, T) can continue these caches: it starts with :attr:`ids` and is longer."""
+        held = self.ids
+        if held is None:
+            return True
+        return (input_ids.shape[0] == held.shape[0] and input_ids.shape[1] > held.shape[1]
+                and torch.equal(input_ids[:, : held.shape[1]].to(held.device), held))
+
+    def clear(self) -> None:
+        """Forget the caches (the next run starts afresh)."""
+        self.caches, self.ids = [], None
+
+    def _settle(self, fed: Tensor) -> None:
+        """After a run: every cache cropped to the positions all of them hold (a step interrupted between
+        layers is rolled back), and ``ids`` to those of ``fed`` (B, T + n), the prompt and the tokens sampled."""
+        held = min(_held(self.caches), default=0)
+        for cache in self.caches:
+            if len(cast(Sized, cache)) > held:
+                cast(Any, cache).crop(held)
+        self.ids = fed[:, :held]
+
+
+def _held(caches: Sequence[Cache]) -> list[int]:
+    """The positions each kept cache holds; one that cannot say so, or be cropped, is a TypeError."""
+    if not all(hasattr(c, "__len__") and callable(getattr(c, "crop", None)) for c in caches):
+        raise TypeError("kept caches must be growing caches (len() and crop(): KVCache, Int8KVCache), got "
+                        f"{', '.join(sorted({type(c).__name__ for c in caches}))}")
+    return [len(cast(Sized, c)) for c in caches]
+
+
+def _check_kept(kept: object, ids: Tensor, mask: Tensor | None, opts: GenerationOptions) -> int:
+    """The positions ``kept`` holds, once it is known that ``ids`` (B, T) can continue them."""
+    if not isinstance(kept, KeptCaches):
+        raise TypeError(f"kept must be a KeptCaches, got {type(kept).__name__}")
+    why = ("compile=True runs over static caches sized for one run" if opts.compile else
+           f"cache={opts.cache!r} evicts positions" if opts.sink is not None else
+           "a left-padded prompt puts its padding inside the caches" if mask is not None else None)
+    if why is not None:
+        raise ValueError(f"kept caches continue full caches of prompts without padding; {why}: give kept=None")
+    held, length = _held(kept.caches), kept.length
+    if (set(held) if kept.caches else {0}) != {length}:
+        raise ValueError(f"the kept caches hold {sorted(set(held)) or [0]} positions and kept.ids {length} tokens: "
+                         "caches that hold a different number of positions cannot continue (kept.clear() starts "
+                         "afresh)")
+    stored = {getattr(c, "dtype", opts.kv_dtype) for c in kept.caches} - {opts.kv_dtype}
+    if stored:
+        named = ", ".join("the model's dtype" if d is None else str(d) for d in stored)
+        raise ValueError(f"the kept caches store {named} and this run asks for kv_dtype={opts.kv_dtype}: keep one "
+                         "kv_dtype for a conversation (or kept.clear())")
+    if length == 0:
+        return 0
+    assert kept.ids is not None
+    if kept.ids.shape[0] != ids.shape[0]:
+        raise ValueError(f"the kept caches hold {kept.ids.shape[0]} rows and input_ids has {ids.shape[0]}: "
+                         "continue them with a batch of the same size")
+    if not kept.matches(ids):
+        raise ValueError(f"input_ids ({ids.shape[1]} tokens) does not continue the {length} tokens the kept caches "
+                         "hold: it must start with kept.ids and add at least one token (kept.clear() starts "
+                         "afresh)")
+    return length
+
+
+def _kept_steps(kept: KeptCaches, ids: Tensor, steps: Iterator[Tensor]) -> Generator[Tensor, None, None]:
+    """``steps``, noting what the caches hold when they end (exhausted, closed or interrupted)."""
+    new: list[Tensor] = []
+    try:
+        for token in steps:  # (B,)
+            yield token
+            new.append(token[:, None])  # (B, 1): fed by the next step, if one comes
+    finally:
+        kept._settle(torch.cat([ids, *new], dim=1))  # (B, T + n)
+
+
 def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None = None, *,
-                   stats: GenerationStats | None = None, **options: Any) -> Iterator[Tensor]:
+                   stats: GenerationStats | None = None, kept: KeptCaches | None = None,
+                   **options: Any) -> Generator[Tensor, None, None]:
     """Yield the next tokens (B,) one step at a time; stopped rows yield the pad id.
 
     Keywords are :class:`GenerationOptions`. Inputs are checked before the first token.
+    ``kept``: caches kept from an earlier run (:class:`KeptCaches`) that ``input_ids`` continues: only its
+    tokens after them are prefilled (``stats.prompt_tokens`` counts those). Close the iterator (or run it to
+    its end) before the next run reads ``kept``.
     """
     opts = GenerationOptions.of(options)
     if opts.stop:
@@ -133,7 +242,13 @@ def generate_steps(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | 
                          "prompts of one length, without padding (or one prompt at a time)")
     stops = check_budget(model, ids.shape[1], opts)
     seeds = row_seeds(opts.seed, ids.shape[0], ids.device)
-    return _steps(model, ids, mask, opts, seeds, stops, stats or GenerationStats())
+    if kept is None:
+        return _steps(model, ids, mask, opts, seeds, stops, stats or GenerationStats())
+    cached = _check_kept(kept, ids, mask, opts)
+    if not kept.caches:  # growing, unbounded: later runs add to them
+        kept.caches = _new_caches(model, None, False, opts.kv_dtype)
+    steps = _steps(model, ids, mask, opts, seeds, stops, stats or GenerationStats(), kept.caches, cached)
+    return _kept_steps(kept, ids, steps)
 
 
 _COMPILED: dict[int, Callable[..., DecodeState]] = {}
@@ -165,13 +280,15 @@ def compile_mode(device: torch.device) -> str | None:
 
 
 def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOptions, seeds: Tensor,
-           stops: tuple[int, ...], stats: GenerationStats) -> Iterator[Tensor]:
+           stops: tuple[int, ...], stats: GenerationStats, caches: list[Cache] | None = None,
+           cached: int = 0) -> Generator[Tensor, None, None]:
+    """The loop; ``caches`` given hold the first ``cached`` tokens of ``ids`` already (only the rest is prefilled)."""
     b, t = ids.shape
     stop_ids = torch.tensor(stops, dtype=torch.long, device=ids.device)  # (n_stops,)
-    if opts.sink is None:
-        caches = _new_caches(model, t + opts.max_new_tokens, opts.compile, opts.kv_dtype)
-    else:
+    if caches is None and opts.sink is not None:
         caches = opts.sink.caches(model)  # constant memory; positions assigned inside each cache
+    elif caches is None:
+        caches = _new_caches(model, t + opts.max_new_tokens, opts.compile, opts.kv_dtype)
     given = positions = prompt_positions(mask)  # (B, T) or None
     if positions is None and opts.compile:  # a static cache takes explicit positions in the compiled step
         positions = torch.arange(t, device=ids.device).expand(b, t)
@@ -184,11 +301,11 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
         state.seen = _seen(ids, mask, model.vocab_size)  # (B, V)
     step = _step_function(model, opts.compile, ids.device)
     replayed = opts.compile and compile_mode(ids.device) == "reduce-overhead"
-    stats.prompt_tokens = b * t if mask is None else int(mask.sum())
+    stats.prompt_tokens = b * (t - cached) if mask is None else int(mask.sum())
     stats.new_tokens, stats.steps, stats.rows, live = 0, 0, b, b
     begin = time.perf_counter()
     with torch.inference_mode():
-        logits = _prefill(model, ids, given, caches, opts)  # (B, V)
+        logits = _prefill(model, ids[:, cached:], given, caches, opts)  # (B, V); given is None when cached
         state = _choose(model, logits, state, opts.sampler, seeds, stop_ids, penalties)  # the first, at start
     stats.prefill_seconds, begin = time.perf_counter() - begin, time.perf_counter()
     for n in range(opts.max_new_tokens):
@@ -205,7 +322,8 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
             return
 
 
-def _new_caches(model: CausalLM, capacity: int, static: bool, dtype: torch.dtype | str | None) -> list[Cache]:
+def _new_caches(model: CausalLM, capacity: int | None, static: bool, dtype: torch.dtype | str | None
+                ) -> list[Cache]:
     """The model's caches; ``dtype`` (GenerationOptions.kv_dtype, a dtype once checked) is passed only when asked
     for (a model may predate the keyword)."""
     if dtype is None:
@@ -246,46 +364,50 @@ def _prefill(model: CausalLM, ids: Tensor, positions: Tensor | None, caches: Seq
 
 
 def generate(model: CausalLM, input_ids: Tensor, attention_mask: Tensor | None = None, *,
-             stats: GenerationStats | None = None, **options: Any) -> Tensor:
+             stats: GenerationStats | None = None, kept: KeptCaches | None = None, **options: Any) -> Tensor:
     """Prompt plus new tokens, (B, T + n) long, n <= max_new_tokens.
 
     Args:
         input_ids: (B, T) prompt ids, left-padded when rows differ in length.
         attention_mask: (B, T) bool or 0/1, True/1 = real token; None = all real.
         stats: filled with token counts and timings.
+        kept: caches kept from an earlier run, which ``input_ids`` continues
+            (:class:`KeptCaches`): only its new tokens are prefilled.
         options: :class:`GenerationOptions` (max_new_tokens, temperature,
             top_k, top_p, seed, stop_ids, the three penalties, compile,
             cache, kv_dtype).
     """
-    new = list(generate_steps(model, input_ids, attention_mask, stats=stats, **options))
+    new = list(generate_steps(model, input_ids, attention_mask, stats=stats, kept=kept, **options))
     return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)  # (B, T) + (B, n) -> (B, T + n)
 
 
 def stream_text(model: CausalLM, decode: Callable[[list[int]], str], input_ids: Tensor,
                 attention_mask: Tensor | None = None, *, stats: GenerationStats | None = None,
-                **options: Any) -> Iterator[str]:
+                kept: KeptCaches | None = None, **options: Any) -> Iterator[str]:
     """Yield the new text of a single prompt (B = 1) piece by piece as tokens are produced.
 
     ``decode`` turns ids into text; a piece is held back while it ends in an
     incomplete UTF-8 character or may start a stop string. ``options`` are
-    :func:`generate`'s keywords and ``stop`` (strings that end the text).
+    :func:`generate`'s keywords and ``stop`` (strings that end the text);
+    ``kept``: as :func:`generate_steps`'s.
     """
     if isinstance(input_ids, Tensor) and input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(f"stream() takes one prompt (B = 1), got a batch of {input_ids.shape[0]}")
     context = input_ids[0, -1:].tolist() if isinstance(input_ids, Tensor) and input_ids.dim() == 2 else []
     text = TextStream(decode, GenerationOptions.of(options).stop, context)
-    steps = generate_steps(model, input_ids, attention_mask, stats=stats, **{**options, "stop": ()})
+    steps = generate_steps(model, input_ids, attention_mask, stats=stats, kept=kept, **{**options, "stop": ()})
     return _pieces(steps, text)
 
 
-def _pieces(steps: Iterator[Tensor], text: TextStream) -> Iterator[str]:
+def _pieces(steps: Generator[Tensor, None, None], text: TextStream) -> Iterator[str]:
     """New text per token of a single row, up to a stop string (:class:`attnkit.models.text.TextStream`)."""
-    for token in steps:
-        piece = text.add(int(token[0]))
-        if piece:
-            yield piece
-        if text.stopped:
-            return
+    with closing(steps):  # a stop string ends the steps now (kept caches note what they hold), not at collection
+        for token in steps:
+            piece = text.add(int(token[0]))
+            if piece:
+                yield piece
+            if text.stopped:
+                return
     rest = text.flush()
     if rest:
         yield rest

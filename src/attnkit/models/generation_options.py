@@ -41,6 +41,27 @@ class CausalLM(Protocol):
 
 
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 300  # the most token ids one logit_bias may name (OpenAI's limit)
+
+
+def check_logit_bias(logit_bias: object) -> dict[int, float] | None:
+    """``logit_bias`` checked: {token id: bias in [-100, 100]} with at most :data:`MAX_LOGIT_BIAS` ids, keys ints or
+    their decimal strings (JSON's keys); None or {} -> None. A ValueError names the offending id or bias."""
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, Mapping):
+        raise ValueError(f"logit_bias must be a map of token id -> bias, got logit_bias={logit_bias!r}")
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias names {len(logit_bias)} token ids, more than {MAX_LOGIT_BIAS}")
+    checked = {}
+    for key, bias in logit_bias.items():
+        digits = isinstance(key, str) and key.isascii() and key.isdecimal()
+        if not (digits or (isinstance(key, int) and not isinstance(key, bool) and key >= 0)):
+            raise ValueError(f"logit_bias key {key!r} is not a token id (a non-negative integer)")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias[{key!r}] = {bias!r}: a bias must be a number in [-100, 100]")
+        checked[int(key)] = float(bias)
+    return dict(sorted(checked.items())) or None
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,14 @@ class GenerationOptions:
             chosen token and of the k most likely ones, from the logits the
             sampler saw (after the penalties, before temperature, top-k and
             top-p). The serving engine reports them; ``generate()`` refuses it.
+        logit_bias: {token id: bias}, OpenAI's: each bias in [-100, 100] is
+            added to that token's logit before anything else (penalties,
+            a constraint, the sampler: logprobs then see the biased scores);
+            -100 all but bans a token, 100 all but forces it. At most 300
+            ids (ints, or their decimal strings as JSON keys are), each in
+            the vocabulary (checked against the model before the first
+            token). The serving engine applies it; ``generate()`` does not
+            yet.
         stop: strings that end the text (a string or a list of them); the
             first match ends it and is not shown. Text streams honour it
             (``stream()``, the serving engine); ``generate()`` returns ids,
@@ -107,6 +136,7 @@ class GenerationOptions:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: Mapping[int, float] | None = None
     stop: str | Sequence[str] = ()
     compile: bool = False
     cache: str | SinkSpec = "full"
@@ -122,6 +152,7 @@ class GenerationOptions:
         k = self.logprobs
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got logprobs={k!r}")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got stop={self.stop!r}")
@@ -265,6 +296,9 @@ def check_budget(model: CausalLM, prompt_len: int, options: GenerationOptions) -
     given = options.stop_ids
     if given is not None and (isinstance(given, (str, bytes, Tensor)) or not isinstance(given, Iterable)):
         raise ValueError(f"stop_ids must be a list of token ids (or None: the model's own), got stop_ids={given!r}")
+    for token in options.logit_bias or ():
+        if token >= model.vocab_size:
+            raise ValueError(f"logit_bias names token id {token}, outside the vocabulary [0, {model.vocab_size})")
     stops = model.stop_token_ids if given is None else tuple(given)
     for s in stops:
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < model.vocab_size:

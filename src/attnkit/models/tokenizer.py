@@ -14,6 +14,7 @@ Legend: B batch, T tokens.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -269,12 +270,18 @@ class GGUFTokenizer:
         text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return text
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The file's chat template rendered for ``messages`` ([{"role", "content"}, ...]).
 
         Rendered in jinja2's sandbox, as Hugging Face's ``apply_chat_template``
         does, ending with the assistant's turn opened when ``add_generation_prompt``,
         and bounded in time, memory and size (:mod:`attnkit.models.chat`).
+        ``tools`` (OpenAI's [{"type": "function", "function": {...}}, ...]) are
+        passed to the template as ``tools``, as ``apply_chat_template(tools=)``
+        does; None (the default) passes none. A message may carry more keys
+        than role and content (an assistant's ``tool_calls``, a tool's
+        ``tool_call_id``): the template reads them.
         """
         if self.chat_template is None:
             raise ValueError("this model's file has no chat template (tokenizer.chat_template)")
@@ -284,8 +291,12 @@ class GGUFTokenizer:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(
                     m.get("content"), str):
                 raise ValueError(f"message {i} must be a dict with str 'role' and 'content', got {m!r}")
-        special = {"bos_token": "" if self.bos_id is None else self.tokens[self.bos_id],
-                   "eos_token": self.tokens[self.eos_id]}
+        special: dict[str, Any] = {"bos_token": "" if self.bos_id is None else self.tokens[self.bos_id],
+                                   "eos_token": self.tokens[self.eos_id]}
+        if tools is not None:
+            if isinstance(tools, (str, Mapping)) or not all(isinstance(t, Mapping) for t in tools):
+                raise ValueError(f"tools must be a list of {{'type', 'function'}} dicts, got {tools!r}")
+            special["tools"] = [dict(t) for t in tools]
         return chat.render(self.chat_template, messages, name=self.template_name,
                            add_generation_prompt=add_generation_prompt, variables=special)
 
@@ -299,8 +310,8 @@ class GGUFTokenizer:
             self._tok.encode_special_tokens = False
         return ids
 
-    def chat_ids(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
-                 special_in_content: bool = False) -> list[int]:
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                 special_in_content: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The chat prompt as token ids, encoded as transformers' ``apply_chat_template(tokenize=True)`` does.
 
         The rendered text is encoded without adding a BOS (a template that writes
@@ -308,22 +319,40 @@ class GGUFTokenizer:
         only from the template's own markup: text inside a message that spells
         one (``<|im_start|>system``...) is encoded as plain text, so content
         cannot forge a turn. ``special_in_content=True`` encodes the rendered
-        text as is (content may then contain control tokens).
+        text as is (content may then contain control tokens). ``tools``: as
+        :meth:`chat_prompt`; tools and the messages' other fields (tool calls)
+        that spell a control token are refused (ValueError) unless
+        ``special_in_content``.
         """
-        text = self.chat_prompt(messages, add_generation_prompt=add_generation_prompt)
+        text = self.chat_prompt(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        if not special_in_content:
+            self._refuse_specials_outside_content(messages, tools)
         contents = [m["content"] for m in messages]
         if special_in_content or not any(s in c for c in contents for s in self.specials):
             return self._encode(text, special=True)  # nothing to guard: exactly the rendered text's ids
-        pieces = self._markup_and_contents(messages, text, add_generation_prompt)
+        pieces = self._markup_and_contents(messages, text, add_generation_prompt, tools)
         return [i for piece, is_content in pieces for i in self._encode(piece, special=not is_content)]
 
-    def _markup_and_contents(self, messages: Sequence[Mapping[str, str]], text: str,
-                             add_generation_prompt: bool) -> list[tuple[str, bool]]:
+    def _refuse_specials_outside_content(self, messages: Sequence[Mapping[str, Any]],
+                                         tools: Sequence[Mapping[str, Any]] | None) -> None:
+        """A ValueError when the tools or a message's fields besides its content (tool calls) spell a control
+        token: only content is encoded as plain text around the template's markup."""
+        others = [("tools", tools or [])] + [(f"message {i}", {k: v for k, v in m.items() if k != "content"})
+                                             for i, m in enumerate(messages)]
+        for where, value in others:
+            text = json.dumps(value, ensure_ascii=False, default=str)
+            found = next((s for s in self.specials if s in text), None)
+            if found is not None:
+                raise ValueError(f"{where} spells the control token {found!r} outside a message's content; it "
+                                 "cannot be encoded as plain text")
+
+    def _markup_and_contents(self, messages: Sequence[Mapping[str, Any]], text: str, add_generation_prompt: bool,
+                             tools: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[str, bool]]:
         """``text`` cut into (piece, is_content): the template rendered with a placeholder for each message's
         content says where the template's markup ends and content begins (searching the rendered text for the
         content found it inside the markup: a message "s" matched the "s" of ``<|im_start|>system``)."""
         skeleton = self.chat_prompt([{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)],
-                                    add_generation_prompt=add_generation_prompt)
+                                    add_generation_prompt=add_generation_prompt, tools=tools)
         split = re.split("(\ue000[0-9]+\ue001)", skeleton)  # markup, mark, markup, mark, ..., markup
         for shape in (str, str.strip):  # the content as written, or trimmed (Gemma's template trims it)
             pieces = [(shape(messages[int(piece[1:-1])]["content"]), True) if i % 2 else (piece, False)

@@ -11,7 +11,12 @@ events as OpenAI sends them: ``data: {chunk}`` lines with one id and one
 ``created``, a last chunk with ``finish_reason``, a usage chunk when asked, then
 ``data: [DONE]``. ``response_format`` json_object / json_schema constrains the answer to the schema
 (:class:`~attnkit.serve.grammar.JSONSchemas`, each choice its own constraint); a schema the grammar cannot
-honour is a 400 naming what it refuses. A client that goes away has its request cancelled at the
+honour is a 400 naming what it refuses. ``tools`` are offered to the model through its chat template, and its
+answers' calls (in the syntax the template teaches: :mod:`attnkit.serve.tools`) come back as ``tool_calls``
+(finish_reason "tool_calls"; streamed, each call whole in one delta); ``tool_choice`` "required" or a named
+function decodes under a grammar whose every answer is one call, "none" offers no tools. ``logit_bias`` is added
+to the logits before anything else. ``/v1/responses`` answers a 404 that says to use /v1/chat/completions.
+A client that goes away has its request cancelled at the
 engine's next step, streamed or not. Browsers on other origins are answered
 (CORS, preflights before the API key is checked), and every request leaves one
 line on the ``attnkit.serve.access`` logger (:class:`AccessLog`).
@@ -38,11 +43,15 @@ from .checks import (
     APIError,
     bad,
     chat_logprobs,
+    chat_messages,
     choices,
+    chosen_tool,
     completion_logprobs,
     embeddings_only,
     integer,
+    logit_bias,
     no_such_model,
+    offered_tools,
     penalties,
     refuse_other_endpoints_field,
     refuse_unsupported,
@@ -55,6 +64,7 @@ from .checks import (
 from .engine import Engine, EngineError, Event, QueueFullError
 from .grammar import JSONSchemas
 from .runner import Choice
+from .tools import CallStream, ToolSyntax, call_id, template_syntax
 
 if TYPE_CHECKING:
     from .embeddings import Embedder
@@ -78,7 +88,8 @@ class Parsed:
     include_usage: bool
     source: str  # the request field the prompt came from: "messages" or "prompt"
     n: int = 1  # answers sampled from the prompt
-    grammar: str | None = None  # the compiled JSON Schema every answer follows (response_format), or None
+    grammar: str | None = None  # the compiled grammar every answer follows (response_format, a forced call), or None
+    tools: ToolSyntax | None = None  # the syntax the answers' tool calls are parsed in; None: plain text
 
 
 class Server:
@@ -130,16 +141,49 @@ class Server:
         schema = response_format(body)
         if schema is None:
             return None
+        try:
+            return self._schemas_for("response_format", "{\"type\": \"text\"}").compile(schema)
+        except ValueError as err:
+            raise bad("response_format", f"json_schema.schema is not supported: {err}") from err
+
+    def _schemas_for(self, param: str, instead: str) -> JSONSchemas:
+        """The grammar compiler, built on first use; a 400 naming ``param`` (only ``instead`` is served) for a
+        tokenizer that cannot constrain answers."""
         if self._schemas is None:
             try:
                 self._schemas = JSONSchemas(self.tokenizer, vocab_size=self.engine.model.vocab_size)
             except AttributeError as err:  # a stand-in tokenizer without a token table
-                raise bad("response_format", f"this model's tokenizer cannot constrain its answers ({err}); only "
-                                             "{\"type\": \"text\"} is served") from err
+                raise bad(param, f"this model's tokenizer cannot constrain its answers ({err}); only {instead} is "
+                                 "served") from err
+        return self._schemas
+
+    def _tools(self, body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolSyntax | None, str | None]:
+        """(the tools the template offers, the syntax the answers' calls are parsed in, the grammar a forced call
+        decodes under): all None without tools or with tool_choice "none" (no tool is offered, none can be
+        called). A template without tool support is a 400 naming ``tools``."""
+        offered = offered_tools(body)
+        mode, name = chosen_tool(body, offered)
+        if offered is None or mode == "none":
+            return None, None, None
         try:
-            return self._schemas.compile(schema)
+            syntax = template_syntax(getattr(self.tokenizer, "chat_template", None))
         except ValueError as err:
-            raise bad("response_format", f"json_schema.schema is not supported: {err}") from err
+            raise bad("tools", str(err)) from None
+        if mode == "auto":
+            return offered, syntax, None
+        schemas = self._schemas_for("tool_choice", "tool_choice \"auto\"")
+        functions = []
+        for i, tool in enumerate(offered):
+            if mode == "required" or tool["function"]["name"] == name:
+                try:
+                    schemas.compile(tool["function"]["parameters"])
+                except ValueError as err:
+                    raise bad(f"tools[{i}].function.parameters", f"cannot constrain a call: {err}") from err
+                functions.append(tool["function"])
+        try:
+            return offered, syntax, schemas.compile_lark(syntax.grammar(functions))
+        except ValueError as err:
+            raise bad("tool_choice", f"the grammar of a forced call is not supported: {err}") from err
 
     # -- checking a request ------------------------------------------------------------------------------------
 
@@ -170,10 +214,14 @@ class Server:
         temperature, top_p = sampling(body)
         frequency, presence, repetition = penalties(body)
         seed = integer(body, "seed", -(2**63), 2**63 - 1)
+        bias, vocab = logit_bias(body), self.engine.model.vocab_size
+        outside = next((token for token in bias or () if token >= vocab), None)
+        if outside is not None:
+            raise bad("logit_bias", f"token id {outside} is outside the vocabulary [0, {vocab})")
         return GenerationOptions(max_new_tokens=min(limit or room, room), temperature=temperature, top_p=top_p,
                                  seed=None if seed is None else seed % 2**62, stop=stops(body), logprobs=logprobs,
                                  frequency_penalty=frequency, presence_penalty=presence,
-                                 repetition_penalty=repetition)
+                                 repetition_penalty=repetition, logit_bias=bias)
 
     def _flags(self, body: Mapping[str, Any]) -> tuple[bool, bool]:
         stream = body.get("stream", False)
@@ -190,35 +238,24 @@ class Server:
     def parse_chat(self, body: Mapping[str, Any]) -> Parsed:
         self._decoder("/v1/chat/completions")
         refuse_other_endpoints_field(body, "prompt", "/v1/completions", "messages")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects")
-        plain = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise bad(f"messages[{i}]", "expected an object with a string 'role'")
-            if m["role"] not in ("system", "user", "assistant", "developer"):
-                raise bad(f"messages[{i}].role", f"unknown role {m['role']!r}; expected system, user or assistant")
-            content = m.get("content")
-            if isinstance(content, list):  # OpenAI's text content parts, one a line (as llama.cpp joins them)
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise bad(f"messages[{i}].content", "only text content parts are supported")
-                content = "\n".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise bad(f"messages[{i}].content", f"expected a string, got {json.dumps(content)}")
-            plain.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-        try:
-            prompt = self.tokenizer.chat_ids(plain)  # content is plain text: no control tokens from it
+        plain = chat_messages(body.get("messages"))
+        offered, syntax, forced = self._tools(body)
+        try:  # content is plain text: no control tokens from it
+            prompt = self.tokenizer.chat_ids(plain) if offered is None else self.tokenizer.chat_ids(plain,
+                                                                                                     tools=offered)
         except ValueError as err:
             raise bad("messages", str(err)) from err
         stream, usage = self._flags(body)
         options = self._params(body, len(prompt), "messages", chat_logprobs(body))
-        return Parsed(prompt, options, stream, usage, "messages", choices(body), self._grammar(body))
+        grammar = self._grammar(body)
+        if forced is not None and grammar is not None:
+            raise bad("tool_choice", "forces a tool call, whose answer cannot also follow response_format: give one")
+        return Parsed(prompt, options, stream, usage, "messages", choices(body), forced or grammar, syntax)
 
     def parse_completion(self, body: Mapping[str, Any]) -> Parsed:
         self._decoder("/v1/completions")
-        refuse_other_endpoints_field(body, "messages", "/v1/chat/completions", "a prompt")
+        for name in ("messages", "tools", "tool_choice"):
+            refuse_other_endpoints_field(body, name, "/v1/chat/completions", "a prompt")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -343,6 +380,37 @@ async def _collect(server: Server, parsed: Parsed, receive: Callable[[], Any]
         watcher.cancel()
         for seq in seqs:
             server.engine.cancel(seq)  # a no-op once it finished
+
+
+def _chat_message(parsed: Parsed, answer: Answer) -> tuple[dict[str, Any], str]:
+    """A choice's answer as OpenAI's assistant message and finish reason; with tools offered, its calls parsed out
+    into ``tool_calls`` (finish_reason "tool_calls" when it made one and was not cut short)."""
+    reason = "length" if answer.finish_reason == "length" else "stop"
+    if parsed.tools is None:
+        return {"role": "assistant", "content": answer.text, "refusal": None}, reason
+    content, calls = parsed.tools.parse(answer.text)
+    if not calls:
+        return {"role": "assistant", "content": content or "", "refusal": None}, reason
+    return ({"role": "assistant", "content": content, "refusal": None,
+             "tool_calls": [call.openai(call_id()) for call in calls]}, "tool_calls" if reason == "stop" else reason)
+
+
+def _chat_delta(streams: list[CallStream] | None, index: int, text: str, end: bool) -> dict[str, Any]:
+    """A streamed chunk's delta: the text as content; with tools offered (``streams``, one per choice), the content
+    and the calls this piece completes, each call whole in one delta (id, name and arguments at once) with its
+    index among the choice's calls. ``end``: the choice's last chunk, which says what was held back."""
+    if streams is None:
+        return {"content": text} if text else {}
+    stream = streams[index]
+    first = stream.calls
+    content, calls = stream.feed(text)
+    if end:
+        rest, more = stream.close()
+        content, calls = content + rest, calls + more
+    delta: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [{"index": first + k, **call.openai(call_id())} for k, call in enumerate(calls)]
+    return delta
 
 
 Chunk = Callable[[int, str, str | None, bool, list[Choice]], dict[str, Any]]  # (index, text, reason, first, lps)
@@ -485,9 +553,14 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
         base = {"id": rid, "created": created, "model": server.model_name, "system_fingerprint": None}
         wanted = parsed.params.logprobs is not None
         if parsed.stream:
+            streams = None if parsed.tools is None else [CallStream(parsed.tools) for _ in range(parsed.n)]
+
             def chunk(index: int, text: str, reason: str | None, first: bool, logprobs: list[Choice]
                       ) -> dict[str, Any]:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                delta = {"role": "assistant", "content": ""} if first else _chat_delta(streams, index, text,
+                                                                                        reason is not None)
+                if reason == "stop" and streams is not None and streams[index].calls:
+                    reason = "tool_calls"
                 lp = _chat_logprobs(server, logprobs) if wanted and logprobs else None
                 out = {**base, "object": "chat.completion.chunk",
                        "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
@@ -499,11 +572,12 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
             return responses.StreamingResponse(_stream(server, parsed, chunk, usage, request.state),
                                                media_type="text/event-stream")
         answers, request.state.usage = await _collect(server, parsed, request.receive)
+        messages = [_chat_message(parsed, a) for a in answers]
         return {**base, "object": "chat.completion",
-                "choices": [{"index": i, "message": {"role": "assistant", "content": a.text, "refusal": None},
+                "choices": [{"index": i, "message": message,
                              "logprobs": _chat_logprobs(server, a.logprobs) if wanted else None,
-                             "finish_reason": "length" if a.finish_reason == "length" else "stop"}
-                            for i, a in enumerate(answers)],
+                             "finish_reason": reason}
+                            for i, (a, (message, reason)) in enumerate(zip(answers, messages, strict=True))],
                 "usage": request.state.usage}
 
     @app.post("/v1/completions")
@@ -545,6 +619,13 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
         content, tokens = await asyncio.to_thread(server.embedder.run, parsed)
         request.state.usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         return responses.Response(content, media_type="application/json")
+
+    @app.api_route("/v1/responses", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    @app.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def responses_api() -> Any:
+        """OpenAI's Responses API is not served: a 404 that says what to use instead (not "Invalid URL")."""
+        raise APIError(404, "attnkit does not serve the Responses API (/v1/responses); use /v1/chat/completions "
+                            "(POST /v1/chat/completions with messages)", code="unsupported_endpoint")
 
     def all_names() -> tuple[str, ...]:
         return tuple(dict.fromkeys((*server.names, *server.embedding_names)))

@@ -14,11 +14,15 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from attnkit.models.generation_options import MAX_LOGPROBS
+from attnkit.models.generation_options import MAX_LOGPROBS, check_logit_bias
+
+from .tools import arguments_object, valid_name
 
 MAX_STOPS = 4
 MAX_CHOICES = 8  # the most answers (n) one request may ask for
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's most alternatives per token (OpenAI's limit)
+MAX_TOOLS = 128  # the most functions one request may offer (OpenAI's limit)
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
            "stream_options", "n", "user", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
@@ -98,7 +102,7 @@ def refuse_unsupported(body: Mapping[str, Any]) -> None:
     unknown = sorted(set(body) - _COMMON)
     if unknown:
         raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
-    for name in ("tools", "logit_bias", "echo", "suffix"):
+    for name in ("echo", "suffix"):
         if body.get(name) not in (None, False, [], {}, ""):
             raise bad(name, "is not supported by this server")
     if body.get("best_of", 1) not in (1, None):
@@ -212,3 +216,135 @@ def route_error(request: Any, status: int, detail: Any, headers: Mapping[str, st
         allowed = {k.lower(): v for k, v in (headers or {}).items()}.get("allow", "another method")
         return APIError(405, f"Method not allowed ({route}); this route takes {allowed}", headers=headers)
     return APIError(status, str(detail), headers=headers)
+
+
+def logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
+    """``logit_bias``: {token id (a decimal string, JSON's key) -> bias in [-100, 100]}, at most 300 ids; None when
+    absent or empty. Whether each id is in the vocabulary is the server's to say (it knows the model)."""
+    try:
+        return check_logit_bias(body.get("logit_bias"))
+    except ValueError as err:
+        raise bad("logit_bias", str(err)) from None
+
+
+def offered_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """``tools``: OpenAI's [{"type": "function", "function": {"name", "description", "parameters", "strict"}}], each
+    checked (a name of letters, digits, _ and -; parameters a JSON Schema of an object, {} of no arguments when
+    absent) and returned in that shape; None when absent or empty."""
+    given = body.get("tools")
+    if given is None or given == []:
+        return None
+    if not isinstance(given, list):
+        raise bad("tools", f"expected a list of {{\"type\": \"function\", \"function\": {{...}}}}, got "
+                           f"{json.dumps(given)[:80]}")
+    if len(given) > MAX_TOOLS:
+        raise bad("tools", f"at most {MAX_TOOLS} tools, got {len(given)}")
+    checked = [_tool(i, tool) for i, tool in enumerate(given)]
+    names = [t["function"]["name"] for t in checked]
+    repeated = next((n for n in names if names.count(n) > 1), None)
+    if repeated is not None:
+        raise bad("tools", f"two tools are named {repeated!r}: a call names its function, so names must differ")
+    return checked
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise bad(where, f"expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got "
+                         f"{json.dumps(tool)[:80]}")
+    function = tool["function"]
+    extra = sorted(set(function) - {"name", "description", "parameters", "strict"})
+    if extra:
+        raise bad(f"{where}.function", f"unknown field {extra[0]!r}; expected name, description, parameters, strict")
+    if not valid_name(function.get("name")):
+        raise bad(f"{where}.function.name", f"expected 1 to 64 letters, digits, _ or -, got "
+                                            f"{json.dumps(function.get('name'))[:80]}")
+    if not isinstance(function.get("description", ""), str):
+        raise bad(f"{where}.function.description", "expected a string")
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise bad(f"{where}.function.parameters", f"expected a JSON Schema of an object ({{\"type\": \"object\", "
+                                                  f"\"properties\": ...}}), got {json.dumps(parameters)[:80]}")
+    return {"type": "function", "function": {**function, "parameters": parameters}}
+
+
+def chosen_tool(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+    """``tool_choice``: ("auto" | "none" | "required", None), or ("function", its name) for
+    {"type": "function", "function": {"name"}} naming one of ``tools``; ("none", None) without tools."""
+    given = body.get("tool_choice")
+    if tools is None:
+        if given is not None:
+            raise bad("tool_choice", "is only allowed when tools are given")
+        return "none", None
+    if given is None or given in ("auto", "none", "required"):
+        return given or "auto", None
+    function = given.get("function") if isinstance(given, dict) and given.get("type") == "function" else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad("tool_choice", f"expected \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                                 f"\"function\": {{\"name\": ...}}}}, got {json.dumps(given)[:80]}")
+    names = [t["function"]["name"] for t in tools]
+    if function["name"] not in names:
+        raise bad("tool_choice", f"names the function {function['name']!r}, which is not among the tools "
+                                 f"({', '.join(names)})")
+    return "function", function["name"]
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """``messages`` checked and made plain for the chat template: {"role", "content"} with text content (text
+    parts joined by a newline, as llama.cpp joins them; "developer" as "system"), an assistant's ``tool_calls``
+    (content may then be null) with their arguments as objects, a tool's ``tool_call_id`` (it must answer a call
+    of an earlier assistant message) and the function's ``name``."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects")
+    plain: list[dict[str, Any]] = []
+    calls: dict[str, str] = {}  # each earlier call's id -> its function's name
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}]", "expected an object with a string 'role'")
+        if m["role"] not in ROLES:
+            raise bad(f"messages[{i}].role", f"unknown role {m['role']!r}; expected system, user, assistant or tool")
+        message: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"]}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(i, m["tool_calls"])
+            calls |= {c["id"]: c["function"]["name"] for c in message["tool_calls"]}
+        message["content"] = _content(i, m.get("content"), null="tool_calls" in message)
+        if m["role"] == "tool":
+            answered = m.get("tool_call_id")
+            if not isinstance(answered, str) or answered not in calls:
+                raise bad(f"messages[{i}].tool_call_id", f"{json.dumps(answered)[:80]} answers no tool call of an "
+                                                         "earlier assistant message")
+            message |= {"tool_call_id": answered, "name": calls[answered]}
+        plain.append(message)
+    return plain
+
+
+def _content(i: int, content: Any, *, null: bool) -> str:
+    if content is None and null:  # an assistant message of tool calls alone
+        return ""
+    if isinstance(content, list):  # OpenAI's text content parts, one a line (as llama.cpp joins them)
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise bad(f"messages[{i}].content", "only text content parts are supported")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad(f"messages[{i}].content", f"expected a string, got {json.dumps(content)}")
+    return content
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` checked, each call's arguments as the object they spell."""
+    if not isinstance(calls, list):
+        raise bad(f"messages[{i}].tool_calls", "expected a list of {\"id\", \"type\": \"function\", \"function\"}")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or not isinstance(call.get("id"), str) or call.get("type", "function") != \
+                "function" or not isinstance(function, dict):
+            raise bad(where, f"expected {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                             f"\"arguments\"}}}}, got {json.dumps(call)[:80]}")
+        if not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
+            raise bad(f"{where}.function", "expected a string name and arguments (JSON text)")
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments_object(function["arguments"])}})
+    return out

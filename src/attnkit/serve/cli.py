@@ -6,6 +6,12 @@
     attnkit serve --embeddings minilm      # SmolLM2 and, beside it, MiniLM's embeddings
     attnkit serve --gguf model.gguf --port 9000 --api-key secret
     attnkit serve --alias gpt-4o-mini --cors-origins http://localhost:3000   # an app's model id, its page's origin
+    attnkit serve --chat-template-file qwen2.5-tools.jinja  # a template that offers tools (tool calls)
+    attnkit serve --threads 4              # beside other workers: give each process its share of the cores
+
+--threads, --device, --kv-dtype, --compile and --cache are generate's and chat's options, with their help texts
+(:func:`attnkit.models.cli.add_runtime_options`); what the paged engine cannot do (int8 blocks, a compiled step,
+sink caches, a GPU) is refused by name, never ignored.
 
 Imports stay light: torch, the model and FastAPI load only when the command runs.
 """
@@ -18,6 +24,7 @@ import logging
 import re
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from attnkit._optional import require
@@ -27,7 +34,7 @@ EMBEDDING_MODEL = "minilm"  # served by attnkit.serve.embeddings
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
-    from attnkit.models.cli import MODELS
+    from attnkit.models.cli import MODELS, add_runtime_options
     from attnkit.modules.quantize import WEIGHT_FORMS
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
@@ -51,19 +58,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", choices=list(WEIGHT_FORMS),
                    help="the form of the weights, float32 activations (fewer bytes: each token reads them all); "
                    "default: the fastest form that meets the accuracy bar on this CPU (printed at start)")
+    p.add_argument("--chat-template-file", metavar="PATH",
+                   help="a jinja2 chat template (Hugging Face's convention) that replaces the model file's own, as "
+                   "llama.cpp's server takes it; one that offers tools (reads `tools` and teaches Hermes / Qwen "
+                   "2.5's <tool_call> syntax) serves tool calls with a model whose file has no such template. "
+                   "Checked before the model loads: it must parse")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default 16)")
     p.add_argument("--kv-memory", type=float, default=512, metavar="MiB",
                    help="memory for the KV cache of every layer, in MiB (default 512)")
-    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="the dtype KV blocks store keys and values in (default float32): bfloat16 or float16 fit "
-                   "twice the positions in --kv-memory")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block (default 16)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="most requests waiting; more get HTTP 429 (default 256)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health and /")
-    p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: PyTorch's choice)")
     p.add_argument("--alias", "--served-model-name", action="append", metavar="NAME",
                    help="another model id this server answers to (for a client configured with another name); "
                    "repeat for several. The model's own name (smollm2, gemma3, minilm or the GGUF file's name) is "
@@ -77,10 +85,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-access-log", action="store_true",
                    help="print no line per request (by default each request prints one on stderr: time, method, "
                    "path, status, prompt and completion tokens, seconds; never the prompt)")
+    add_runtime_options(p)
     p.set_defaults(func=_serve)
 
 
+def refuse_unserved(args: argparse.Namespace) -> None:
+    """Refuse, by name, the shared options' values the paged engine cannot honour (rather than ignore them)."""
+    if args.kv_dtype == "int8":
+        raise ValueError("--kv-dtype int8 is generate's and chat's int8 cache; attnkit serve's paged KV pool stores "
+                         "float32, bfloat16 or float16: choose one of those")
+    if args.compile:
+        raise ValueError("--compile compiles generate's and chat's decoding step over static caches; attnkit "
+                         "serve's paged engine runs eagerly: drop --compile")
+    if args.cache != "full":
+        raise ValueError(f"--cache {args.cache} keeps a window for generate and chat; attnkit serve's paged pool "
+                         "keeps every position: use --cache full (the default)")
+    if args.device != "cpu":
+        raise ValueError(f"--device {args.device}: attnkit serve runs on the CPU (its engine allocates the paged "
+                         "KV pool there): use --device cpu (the default)")
+
+
 def _check(args: argparse.Namespace) -> None:
+    from attnkit.models.cli import check_runtime_options
+
     if args.gguf is not None and args.model is not None:
         raise ValueError(f"--model {args.model} and --gguf name two models: give one")
     if args.model == EMBEDDING_MODEL and args.embeddings is not None:
@@ -94,8 +121,12 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--kv-memory must be > 0 MiB, got {args.kv_memory}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    check_runtime_options(args)
+    refuse_unserved(args)
+    if args.chat_template_file is not None:
+        if args.model == EMBEDDING_MODEL:
+            raise ValueError(f"--chat-template-file is for text models; --model {EMBEDDING_MODEL} has no chat: drop it")
+        _read_template(args.chat_template_file)
     for alias in args.alias or ():
         if not alias.strip():
             raise ValueError(f"--alias {alias!r} is empty: give the model id clients send")
@@ -103,6 +134,20 @@ def _check(args: argparse.Namespace) -> None:
         if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
             raise ValueError(f"--cors-origins {origin!r} is not a web origin: expected scheme://host[:port] without "
                              "a path or a trailing slash (such as http://localhost:3000), or * for any")
+
+
+def _read_template(path: str) -> str:
+    """The chat template in ``path``; a ValueError naming the path when it cannot be read or does not parse."""
+    from attnkit.models.chat import check_parses
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--chat-template-file {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--chat-template-file {path} cannot be read: {err}") from None
+    check_parses(text, f"--chat-template-file {path}")
+    return text
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -144,15 +189,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any) -> int:
     import torch
 
-    from attnkit.models.cli import packaged_path
+    from attnkit.models.cli import describe_device, model_name, packaged_path, set_threads
     from attnkit.models.loader import load_gguf
     from attnkit.modules.quantize import weight_form
 
     from .api import Server
     from .engine import Engine
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     embedder = _embedder() if EMBEDDING_MODEL in (args.model, args.embeddings) else None
     port = sock.getsockname()[1]  # --port 0: the one the system chose
     if args.model == EMBEDDING_MODEL:  # embeddings alone: no engine, no chat page
@@ -165,6 +209,10 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
     path = args.gguf or packaged_path(args.model or "smollm2")
     model = load_gguf(path, weights=args.weights or "auto")  # auto: the fastest accurate form for the architecture
     weights = weight_form(model)
+    if args.chat_template_file is not None:  # the file's own template replaced (checked to parse before the load)
+        tokenizer: Any = model.tokenizer  # the file's GGUFTokenizer
+        tokenizer.chat_template = _read_template(args.chat_template_file)
+        tokenizer.template_name = f"the chat template of {args.chat_template_file}"
     name = (args.model or "smollm2") if args.gguf is None else str(path).rsplit("/", 1)[-1].removesuffix(".gguf")
     engine = Engine(model, model.decode, kv_memory_mib=args.kv_memory, block_size=args.block_size,
                     max_batch=args.max_batch, max_waiting=args.max_waiting,
@@ -173,8 +221,8 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
     server = Server(engine, model.tokenizer, model_name=name, aliases=args.alias or (),
                     api_key=args.api_key, context_length=model.context_length, embedder=embedder)
     beside = "" if embedder is None else f"; embeddings from {EMBEDDING_MODEL} on POST /v1/embeddings"
-    print(f"attnkit serve: {name} ({weights} weights, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}) on http://{args.host}:{port} "
+    print(f"attnkit serve: {model_name(args)}, model id {name} ({weights} weights, {describe_device(args.device)}; "
+          f"{torch.get_num_threads()} CPU threads) on http://{args.host}:{port} "
           f"({engine.blocks.num_blocks} {args.kv_dtype} KV blocks of {args.block_size} positions{beside})",
           file=sys.stderr, flush=True)
     try:

@@ -11,7 +11,9 @@ the model's tokenizer (why llguidance: ``docs/bench/round13-grammar/measure.py``
 ms and each token's mask takes about 0.1 ms, beside a SmolLM2 decode step's tens of milliseconds). The
 JSON is written on one line with ``", "`` and ``": "`` between items: no free whitespace, which a small model
 would otherwise repeat until ``max_tokens``. An answer cut by ``max_tokens`` (finish_reason "length") or by a
-stop string is the only one that does not parse.
+stop string is the only one that does not parse. A tool call that ``tool_choice`` forces is a lark grammar of the
+template's call syntax with the functions' schemas embedded (:mod:`attnkit.serve.tools`), compiled by
+:meth:`JSONSchemas.compile_lark` and applied as any other constraint.
 
 Legend: V vocabulary.
 """
@@ -28,8 +30,8 @@ from torch import Tensor
 
 from attnkit._optional import require
 
-# One line, OpenAI's separators; no other whitespace.
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# One line, OpenAI's separators; no other whitespace (also the layout of a tool call's JSON: attnkit.serve.tools).
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class Constraint(Protocol):
@@ -104,6 +106,7 @@ class JSONSchemas:
         self._tokenizer = self._ll.LLTokenizer(self._ll.TokenizerWrapper(Wrapped()), n_vocab=vocab_size,
                                                eos_token=list(self.stop_ids))
         self._compile = lru_cache(maxsize=256)(self._compile_text)
+        self._compile_lark = lru_cache(maxsize=256)(self._lark_text)
 
     def compile(self, schema: Mapping[str, Any]) -> str:
         """``schema`` (a JSON Schema object) as a grammar; ValueError naming what llguidance refuses (an unknown
@@ -112,9 +115,21 @@ class JSONSchemas:
             raise ValueError(f"a JSON Schema is an object, got {json.dumps(schema)[:80]}")
         return self._compile(json.dumps(schema))  # in its order: properties are written in it
 
+    def compile_lark(self, lark: str) -> str:
+        """A lark grammar (llguidance's dialect, JSON Schemas embedded as ``%json {...}``) checked against the
+        tokenizer; ValueError naming what llguidance refuses."""
+        return self._compile_lark(lark)
+
+    def _lark_text(self, lark: str) -> str:
+        grammar = self._ll.LLMatcher.grammar_from_lark(lark)
+        error = self._ll.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise ValueError(error.strip())
+        return grammar
+
     def _compile_text(self, schema: str) -> str:
         try:
-            grammar = self._ll.LLMatcher.grammar_from_json_schema(schema, overrides=_LAYOUT)
+            grammar = self._ll.LLMatcher.grammar_from_json_schema(schema, overrides=LAYOUT)
         except ValueError as err:
             raise ValueError(f"not a JSON Schema: {err}") from err
         error = self._ll.LLMatcher.validate_grammar(grammar, self._tokenizer)
@@ -123,7 +138,7 @@ class JSONSchemas:
         return grammar
 
     def constraint(self, grammar: str) -> JSONConstraint:
-        """A fresh constraint (at the answer's start) for a grammar from :meth:`compile`."""
+        """A fresh constraint (at the answer's start) for a grammar from :meth:`compile` or :meth:`compile_lark`."""
         return JSONConstraint(self._ll.LLMatcher(self._tokenizer, grammar), self.vocab_size)
 
 

@@ -4,9 +4,10 @@ The runner builds the step's :class:`attnkit.serve.paged.PagedBatch` once
 (where each new token is written, which slots each row reads), runs the
 model's ``step`` over it and samples every finished row with its own options
 and seed (:mod:`attnkit.models.sampling`: the same random numbers, penalties
-and sampler as ``generate`` alone), with its logprobs when asked for. A row
-whose request carries a constraint (:mod:`attnkit.serve.grammar`) has the
-tokens it forbids set to -inf first, each row by its own constraint.
+and sampler as ``generate`` alone), with its logprobs when asked for. A row's
+``logit_bias`` is added to its logits first; then a row whose request carries
+a constraint (:mod:`attnkit.serve.grammar`) has the tokens it forbids set to
+-inf, each row by its own constraint.
 
 Legend: B rows in a forward, T tokens per row, V vocabulary.
 """
@@ -59,9 +60,10 @@ class Runner:
 
     def sample(self, requests: list[Request], logits: Tensor) -> list[Choice]:
         """Each request's next token from its row of ``logits`` (B, V), grouped by sampling options, with the
-        penalties of its options and, when asked for, its logprobs; a constrained request's row is masked first, so
-        penalties, sampler and logprobs all see the masked scores."""
-        logits = _constrain(requests, logits)
+        penalties of its options and, when asked for, its logprobs. A request's logit_bias is added first, then a
+        constrained request's row is masked, so penalties, sampler and logprobs all see the biased, masked scores
+        (OpenAI's logprobs reflect logit_bias too)."""
+        logits = _constrain(requests, _bias(requests, logits))
         groups: dict[tuple[Any, ...], list[int]] = {}
         for b, request in enumerate(requests):
             o = request.options
@@ -97,6 +99,22 @@ def _logprobs(scores: Tensor, token: int, k: int) -> Choice:
     finite = values > float("-inf")  # a constraint may allow fewer than k tokens: the rest are not alternatives
     values, ids = values[finite], ids[finite]
     return Choice(token, float(logp[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
+
+
+def _bias(requests: list[Request], logits: Tensor) -> Tensor:
+    """``logits`` (B, V) with each request's ``logit_bias`` added to its row (a copy; the same tensor if no request
+    has one)."""
+    biased = logits
+    for b, request in enumerate(requests):
+        bias = request.options.logit_bias
+        if not bias:
+            continue
+        if biased is logits:
+            biased = logits.clone()
+        ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)  # (k,)
+        values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)  # (k,)
+        biased[b].index_add_(0, ids, values)  # (V,): the bias added at its ids
+    return biased
 
 
 def _constrain(requests: list[Request], logits: Tensor) -> Tensor:
