@@ -118,10 +118,11 @@ def test_format_rows_shows_every_kind_of_row_with_its_numbers():
             *ROWS, *generate_targets(ROWS, "int4")]
     text = format_rows(rows)
     lines = text.splitlines()
-    assert len(lines) == len(rows)
-    assert "threads 2, cpu_capability AVX2" in lines[0]
-    assert lines[1] == "skipped llama.cpp: not installed"
-    assert "37.0 ms per pass" in lines[2]
+    assert len(lines) == len(rows) + 1  # the env row: one line per key
+    # two columns, key and value: the env was one comma-joined line, squeezed into a 16-column table in a terminal
+    assert lines[:2] == ["threads         2", "cpu_capability  AVX2"]
+    assert lines[2] == "skipped llama.cpp: not installed"
+    assert "37.0 ms per pass" in lines[3]
     assert "attnkit-int4 B=1 T= 4000 +128" in text and "prefill   380.0 tok/s, decode   36.0 tok/s" in text
     assert "llama.cpp B=8 T=64 +128 (one after another): 85.0 new tok/s" in text
     assert "attnkit-int4 load 2.50 s" in text and "loaded 430 MiB" in text

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import platform
+import re
 import subprocess
 import sys
 
@@ -91,7 +93,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path, capsys):
     assert doc["environment"]["torch"] and doc["matmul_gflops"] > 0
     # the CPU's capability beside its name: numbers from an AVX2 and an AVX512 machine are not comparable
     assert doc["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert f"cpu_capability: {torch.backends.cpu.get_cpu_capability()}" in out
+    assert re.search(rf"\bcpu_capability +{torch.backends.cpu.get_cpu_capability()}\b", out)  # key, value
     samples = doc["environment"]["matmul_samples_gflops"]  # one per group (two lengths), the best one used
     assert len(samples) == 2 and round(doc["matmul_gflops"]) == max(samples)
     assert "| contender |" in (tmp_path / "summary.md").read_text()
@@ -204,20 +206,46 @@ def figures(monkeypatch):
     return made
 
 
-def test_a_series_of_one_length_is_drawn_not_skipped(tmp_path, figures):
-    """`bench --quick` wrote time.png and memory.png with empty axes: one-point series were skipped."""
+def _bars(ax):  # type: ignore[no-untyped-def]
+    """The horizontal bars of ``ax`` as {contender: (width, label)}, read back through matplotlib's objects."""
+    (container,) = ax.containers
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    labels = [t.get_text() for t in ax.texts]  # bar_label's annotations, one per bar in order
+    return {name: (bar.get_width(), label) for name, bar, label in zip(names, container.patches, labels, strict=True)}
+
+
+def test_a_series_of_one_length_is_drawn_as_labelled_bars(tmp_path, figures):
+    """`bench --quick` wrote time.png and memory.png with empty axes (one-point series skipped), then one dot per
+    contender on a log axis: now a horizontal bar per contender on a linear axis, each labelled with its value."""
     rows = [{"mode": "inference", "batch": 1, "seq_len": 512, "contender": name, "median_ms": 1.5 + i,
              "peak_mib": 3.0 + i} for i, name in enumerate(["attnkit", "raw-sdpa"])]
     written = report.plot(rows, tmp_path)
-    assert [p.name for p in written] == ["time.png", "memory.png"]
-    for figure in figures:
+    assert [p.name for p in written] == ["time.png", "memory.png"] and all(p.stat().st_size for p in written)
+    for figure, unit, values in zip(figures, ["ms", "MiB"], [(1.5, 2.5), (3.0, 4.0)], strict=True):
         inference, training = figure.axes
-        assert len(inference.lines) == 2 and all(len(line.get_xdata()) == 1 for line in inference.lines)
-        # side by side, not stacked on T = 512 where attnkit's heavier marker hid raw-sdpa's
-        assert sorted(x for line in inference.lines for x in line.get_xdata()) == [0, 1]
-        assert [t.get_text() for t in inference.get_xticklabels()] == ["attnkit", "raw-sdpa"]
-        assert "T = 512" in inference.get_xlabel()
-        assert not training.lines and "no training rows" in training.texts[0].get_text()
+        assert _bars(inference) == {"attnkit": (values[0], f"{values[0]:.3g} {unit}"),
+                                    "raw-sdpa": (values[1], f"{values[1]:.3g} {unit}")}
+        assert inference.get_xscale() == "linear" and not inference.lines
+        assert "T = 512" in inference.get_title()
+        assert not training.patches and "no training rows" in training.texts[0].get_text()
+
+
+def test_a_contender_without_a_value_keeps_a_labelled_bar(tmp_path, figures):
+    """A skipped contender and a 0 MiB peak were dropped from the quick plot without a word: each now has its
+    place, an empty bar, and a label saying why."""
+    def row(name, status="ok", ms=1.0, mib=2.0, reason=""):  # type: ignore[no-untyped-def]
+        return {"mode": "decode", "batch": 1, "seq_len": 1024, "contender": name, "kind": "decode", "status": status,
+                "reason": reason, "median_ms": ms, "peak_mib": mib}
+
+    rows = [row("decode-attnkit-cache", ms=0.25, mib=0.0), row("decode-attnkit-recompute", ms=9.0, mib=12.0),
+            row("decode-hf-gpt2-sdpa-cache", "skipped", None, None, "needs transformers: pip install 'attnkit[hf]'")]
+    report.plot(rows, tmp_path)
+    time_bars, memory_bars = (_bars(figure.axes[0]) for figure in figures)
+    assert time_bars == {"decode-attnkit-cache": (0.25, "0.25 ms"), "decode-attnkit-recompute": (9.0, "9 ms"),
+                         "decode-hf-gpt2-sdpa-cache": (0.0, "skipped: needs transformers: pip install 'attnkit[hf]'")}
+    assert memory_bars["decode-attnkit-cache"] == (0.0, "0 MiB: no growth of the resident set")
+    assert memory_bars["decode-attnkit-recompute"] == (12.0, "12 MiB")
+    assert memory_bars["decode-hf-gpt2-sdpa-cache"][1].startswith("skipped: needs transformers")
 
 
 def test_a_run_with_no_layer_rows_writes_no_empty_plot(tmp_path, figures):
@@ -240,3 +268,53 @@ def test_a_run_with_nothing_to_draw_writes_no_plot(tmp_path):
              "kind": "core"},
             {"mode": "inference", "batch": 8, "seq_len": 512, "contender": "attnkit", "median_ms": 0.9}]
     assert report.plot(rows, tmp_path) == [] and not list(tmp_path.iterdir())
+
+
+def test_the_environment_is_a_table_of_key_and_value(monkeypatch, tmp_path):
+    """The generate suite's env row (16 keys) was one table of 16 columns squeezed into 120 (`mod…`, `dev…`);
+    the bench's environment one comma-joined line. Both are now two columns, key and value, in the terminal and in
+    summary.md."""
+    import io
+
+    from rich.console import Console
+
+    env_row = {"kind": "env", "model": "smollm2", "device": "cpu", "dtype": "float32", "default_form": "int4",
+               "threads": 2, "torch": torch.__version__, "cpu": "AMD EPYC 9R14 96-Core Processor",
+               "cpu_capability": "AVX512", "forms": "float32,bfloat16,float16,int8,int4,int4-gptq",
+               "new_tokens": 128, "repeats": 5, "transformers": "5.24.0", "llama_cpp": "0.3.16 (b1234)",
+               "cpu_count": 2, "load_average_start": 1.25, "extra": [1, 2]}
+    monkeypatch.setitem(command.ROW_SUITES, "fake", lambda options: [env_row, {"kind": "batch 1", "tokens_per_s": 1}])
+    console = Console(file=io.StringIO(), width=120)
+    command.run(command.Options(suite="fake", out=str(tmp_path)), console=console)
+    lines = console.file.getvalue().splitlines()
+    assert "…" not in console.file.getvalue()
+    def values(key: str) -> list[str]:
+        return [line.split(None, 1)[1].strip() for line in lines if line.split()[:1] == [key]]
+
+    for key, value in [("load_average_start", "1.25"), ("extra", "1, 2"), ("python", platform.python_version()),
+                       ("forms", env_row["forms"]), ("model", "smollm2")]:
+        assert values(key) == [value]
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert values("cpu_capability") == [capability, "AVX512"]  # one table each: the bench's, then the suite's
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.count("| key | value |") == 2 and "| cpu_capability | AVX512 |" in summary
+    assert "| model | device |" not in summary and "| load_average_start | 1.25 |" in summary
+    assert "| tokens_per_s |" in summary  # the other rows keep their columns
+
+
+def test_a_case_suites_environment_is_a_table_of_key_and_value():
+    env = {"device": "cpu", "dtype": "float32", "cpu_capability": "AVX2", "matmul_samples_gflops": [140, 157]}
+    text = report.markdown([], [], env, 157.4)
+    assert text.startswith("**environment**\n\n| key | value |\n|---|---|\n| device | cpu |")
+    assert "| cpu_capability | AVX2 |" in text and "| matmul_samples_gflops | 140, 157 |" in text
+    assert "| matmul (best sample) | 157 GFLOP/s |" in text
+
+
+def test_columns_every_row_shares_with_the_environment_are_said_once():
+    """The serve suite's rows repeat threads, cpu and cpu_capability: columns the environment table already gives,
+    which squeezed the rest (`thre…`, `cpu_…`); a column whose value differs in some row stays."""
+    env = {"threads": 1, "cpu": "AMD EPYC", "cpu_capability": "AVX512"}
+    rows = [{"kind": "serve", **env, "clients": n, "tokens_per_s": 10.0 * n} for n in (1, 4)]
+    assert "| clients | tokens_per_s |" in report.rows_markdown("suite serve", rows, env)
+    rows[1]["threads"] = 2
+    assert "| threads | clients | tokens_per_s |" in report.rows_markdown("suite serve", rows, env)

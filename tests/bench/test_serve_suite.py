@@ -1,6 +1,14 @@
-"""The serve suite's offline ceiling runs the weight form attnkit serve runs."""
+"""The serve suite: its offline ceiling runs the weight form attnkit serve runs; its n = 4 and JSON schema rows
+beside plain sampling, against a fake streaming server."""
 
 from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
@@ -41,3 +49,112 @@ def test_the_ceiling_runs_on_the_servers_threads_and_restores_the_callers(monkey
     row = offline_ceiling(1, "float32", threads=1 if before != 1 else 2)
     assert seen == [1 if before != 1 else 2] and torch.get_num_threads() == before
     assert loaded == ["float32"] and row["output_tokens"] == 64  # client 0 asks for 64 new tokens
+
+
+class _FakeChat(BaseHTTPRequestHandler):
+    """A streaming chat endpoint as attnkit serve answers: a role chunk per choice, each choice's pieces in turn,
+    a usage chunk counting every choice's tokens (2 per piece), then [DONE]; a JSON answer when a schema is
+    asked for. Each request's body is kept in ``bodies``."""
+
+    bodies: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
+        n = body.get("n", 1)
+        pieces = ['{"title": "Light", ', '"story": "A keeper."}'] if "response_format" in body else ["Once ", "upon"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunks = [{"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]} for i in range(n)]
+        chunks += [{"choices": [{"index": i, "delta": {"content": p}}]} for p in pieces for i in range(n)]
+        chunks += [{"choices": [], "usage": {"completion_tokens": 2 * n * len(pieces)}}]
+        self.wfile.write(b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_chat() -> Iterator[str]:
+    """The URL of a :class:`_FakeChat` server on a free port, in a thread; its bodies cleared."""
+    _FakeChat.bodies = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeChat)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_stream_counts_and_keeps_every_choice(fake_chat: str) -> None:
+    """With n = 4 the chunks of four choices interleave: the tokens are usage's (all choices), each text its own."""
+    from attnkit.bench.serve import post_stream
+    from attnkit.bench.serve_requests import request_body
+
+    stream = post_stream(fake_chat, request_body("n=4", "smollm2"))
+    assert stream.tokens == 16 and stream.texts == {i: "Once upon" for i in range(4)}
+    assert len(stream.chunks) == 8 and stream.seconds > 0
+
+
+def test_n4_and_schema_rows_are_ratios_to_plain_sampling_of_the_same_run(fake_chat: str) -> None:
+    """The n = 4 and JSON schema requests are timed beside plain sampling, round by round, on one server: the same
+    chat, seed and max_tokens, only n or response_format added; vs_plain a ratio of one run."""
+    from attnkit.bench.serve_requests import SCHEMA, request_rows
+
+    rows = request_rows(fake_chat, "smollm2", repeats=2)
+    assert [(r["request"], r["choices"], r["output_tokens"]) for r in rows] == [("plain", 1, 4), ("n=4", 4, 16),
+                                                                               ("json_schema", 1, 4)]
+    plain, _, schema = rows
+    assert plain["vs_plain"] == plain["decode_vs_plain"] == 1.0 and schema["follows_schema"] == "2/2"
+    assert all(r["kind"] == "request" and r["rounds"] == 2 and r["tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+               and r["vs_plain"] > 0 and r["decode_vs_plain"] > 0 for r in rows)
+    bodies = _FakeChat.bodies
+    assert len(bodies) == 3 + 3 * 2  # a warm-up round, then two: plain, n=4, schema in turn
+    assert [b.get("n", 1) for b in bodies[3:6]] == [1, 4, 1]
+    assert bodies[5]["response_format"] == {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}
+    same = [{k: v for k, v in b.items() if k not in ("n", "response_format")} for b in bodies]
+    assert all(b == same[0] for b in same) and same[0]["seed"] == 0 and same[0]["stream"] is True
+    with pytest.raises(ValueError, match="repeats >= 1, got 0"):
+        request_rows(fake_chat, "smollm2", repeats=0)
+
+
+def test_the_suite_adds_the_request_rows_and_keeps_its_rows(monkeypatch: pytest.MonkeyPatch, fake_chat: str,
+                                                            tmp_path: Path) -> None:
+    """run_serve_suite on a fake server: its serve rows per N as before, then the three request rows."""
+    from types import SimpleNamespace
+
+    import attnkit.bench.serve as serve
+
+    started: list[tuple[str, ...]] = []
+
+    def attnkit(*options: str, log: Path, threads: int) -> SimpleNamespace:
+        started.append(options)
+        return SimpleNamespace(url=fake_chat, stop=lambda: None)
+
+    monkeypatch.setattr(serve.ServerProcess, "attnkit", attnkit)
+    monkeypatch.setattr(serve, "llama_server_path", lambda: None)
+    monkeypatch.setattr(serve, "served_form", lambda: "int4")
+    monkeypatch.setattr(serve, "_kv_bytes_per_position", lambda dtype_bytes: 1024)
+    monkeypatch.setattr(serve, "offline_ceiling", lambda n, weights, threads: {"output_tokens": 1, "seconds": 1.0,
+                                                                               "tokens_per_s": 1.0})
+    rows = serve.run_serve_suite([1], workdir=tmp_path, threads=1, repeats=1)
+    assert [(r["kind"], r.get("contender"), r.get("request")) for r in rows] == [
+        ("skipped", "llama-server", None), ("serve", "attnkit-serve", None),
+        ("serve", "attnkit-generate (offline ceiling)", None), ("request", "attnkit-serve", "plain"),
+        ("request", "attnkit-serve", "n=4"), ("request", "attnkit-serve", "json_schema")]
+    assert rows[-1]["weights"] == "int4" and rows[-1]["threads"] == 1 and "cpu_capability" in rows[-1]
+    assert started[-1][:2] == ("--max-batch", "4")  # the n = 4 request's choices decode together
+
+
+def test_bench_batch_and_repeats_make_a_short_serve_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`attnkit bench --suite serve --batch 1 --repeats 2`: clients and rounds from the options."""
+    import attnkit.bench.serve as serve
+    from attnkit.bench import command
+    from attnkit.bench.options import Options
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(serve, "run_serve_suite", lambda *args, **kwargs: calls.append((args, kwargs)) or [])
+    command.ROW_SUITES["serve"](Options(suite="serve", batch=[1], repeats=2, threads=1))
+    command.ROW_SUITES["serve"](Options(suite="serve"))
+    assert calls == [(([1],), {"threads": 1, "repeats": 2}), ((), {"threads": 2, "repeats": 5})]

@@ -65,7 +65,9 @@ def _ring(options: Options) -> list[Row]:
 def _serve(options: Options) -> list[Row]:
     from .serve import run_serve_suite
 
-    return run_serve_suite(threads=options.threads)
+    if options.batch:  # the numbers of concurrent clients; a short run: --batch 1 --repeats 2
+        return run_serve_suite(options.batch, threads=options.threads, repeats=options.repeats)
+    return run_serve_suite(threads=options.threads, repeats=options.repeats)
 
 
 def _mods(options: Options) -> list[Row]:

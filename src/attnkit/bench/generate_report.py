@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .report import env_text
+
 Row = dict[str, Any]
 _B1 = "batch 1"
 _BATCHED = "batched"
@@ -114,7 +116,7 @@ def gemma3_targets(rows: Sequence[Row], accurate: str, lengths: Sequence[int] = 
 
 
 _LINES: dict[str, Callable[[Row], str]] = {
-    "env": lambda r: ", ".join(f"{k} {v}" for k, v in r.items() if k != "kind"),
+    "env": env_text,
     "skipped": lambda r: f"skipped {r['contender']}: {r['reason']}",
     "note": lambda r: str(r["text"]),
     "bound": lambda r: (f"decode bound ({r['weights']} weights): {r['seconds_per_pass'] * 1e3:.1f} ms per pass of "

@@ -69,12 +69,14 @@ def add_suite_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contenders", type=_csv(str), help="comma-separated contenders (filter, or grid for custom)")
     p.add_argument("--modes", type=_csv(str), help="inference, training, decode")
     p.add_argument("--batch", type=_csv(int), help="batch sizes, e.g. 1,8 (generate: 1 = the batch-1 cases, "
-                   "another size = the batched case's prompts; default 1,8)")
+                   "another size = the batched case's prompts; default 1,8; serve: the numbers of concurrent "
+                   "clients, default 1,4,16,64)")
     p.add_argument("--seq-lens", "--lengths", type=_csv(int),
                    help="sequence lengths (context lengths for decode; generate: batch-1 prompt lengths, "
                    "default 16,4000,7900; gemma3: 16,2000; mods: L or L,S, its long and short lengths, "
                    "default 8192,2048)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per case (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per case (default 5; serve: rounds of the "
+                   "n = 4 and JSON schema requests beside plain sampling)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses "
                    "(generate: the load-time and memory processes)")

@@ -168,8 +168,7 @@ def print_report(console: Any, rows: Sequence[Row], found: Sequence[Target], env
     rich_table = require("rich.table", "attnkit bench")
     rich_box = require("rich.box", "attnkit bench")
     plain = require("rich.text", "attnkit bench").Text  # names and error messages are data, never markup
-    console.print(plain(", ".join(f"{k}: {v}" for k, v in env.items())
-                        + f"; matmul (best sample) {matmul:.0f} GFLOP/s"))
+    console.print(env_table({**env, "matmul (best sample)": f"{matmul:.0f} GFLOP/s"}))
     console.print("times per call (decode: per token); x baseline = time / baseline's time "
                   "(attnkit, core-auto or decode-attnkit-cache) in the same table and T")
     for title, members in groups(rows):
@@ -182,6 +181,32 @@ def print_report(console: Any, rows: Sequence[Row], found: Sequence[Target], env
         for t in found:
             targets_table.add_row(*map(plain, (t.name, t.goal, t.measured)), "yes" if t.passed else "NO")
         console.print(targets_table)
+
+
+def env_table(env: dict[str, Any], title: str = "environment") -> Any:
+    """``env`` as a rich table of two columns, key and value (a "kind" key left out): one row per key, so a long
+    environment stays readable at any width instead of squeezing one column per key."""
+    rich_table = require("rich.table", "attnkit bench")
+    rich_box = require("rich.box", "attnkit bench")
+    plain = require("rich.text", "attnkit bench").Text  # keys and values are data, never markup
+    table = rich_table.Table("key", "value", title=plain(title), box=rich_box.SIMPLE_HEAD, title_justify="left")
+    for key, value in env.items():
+        if key != "kind":
+            table.add_row(plain(str(key)), plain(_cell(value)))
+    return table
+
+
+def env_markdown(env: dict[str, Any], title: str = "environment") -> list[str]:
+    """``env`` as the lines of a markdown table of two columns, key and value (a "kind" key left out)."""
+    lines = [f"**{title}**", "", "| key | value |", "|---|---|"]
+    return lines + [f"| {key} | {_cell(value)} |" for key, value in env.items() if key != "kind"]
+
+
+def env_text(env: dict[str, Any]) -> str:
+    """``env`` as plain text in two columns, key and value, one line per key (a "kind" key left out)."""
+    shown = {key: _cell(value) for key, value in env.items() if key != "kind"}
+    width = max(map(len, shown), default=0)
+    return "\n".join(f"{key:<{width}}  {value}" for key, value in shown.items())
 
 
 def _cell(value: Any) -> str:
@@ -197,6 +222,13 @@ def columns(rows: Sequence[Row]) -> list[str]:
     return list(dict.fromkeys(key for row in rows for key in row))
 
 
+def _own_columns(members: Sequence[Row], env: dict[str, Any]) -> list[str]:
+    """The columns of a table of ``members``: every key but "kind" and those every row shares with ``env``
+    (threads, cpu, ...: said once, in the environment table; results.json keeps them)."""
+    return [k for k in columns(members) if k != "kind"
+            and not all(k in env and k in row and row[k] == env[k] for row in members)]
+
+
 def _by_kind(rows: Sequence[Row]) -> list[tuple[str, list[Row]]]:
     """Rows grouped by their "kind" (in order of appearance): one table each, with only its own columns."""
     out: dict[str, list[Row]] = {}
@@ -209,9 +241,13 @@ def print_rows(console: Any, title: str, rows: Sequence[Row], env: dict[str, Any
     """A suite's own rows (any keys), one table per kind of row: the suites of :data:`.command.ROW_SUITES`."""
     rich_table = require("rich.table", "attnkit bench")
     plain = require("rich.text", "attnkit bench").Text  # keys and values are data, never markup
-    console.print(plain(", ".join(f"{k}: {v}" for k, v in env.items())))
+    console.print(env_table(env))
     for kind, members in _by_kind(rows):
-        keys = [k for k in columns(members) if k != "kind"]
+        if kind == "env":  # a suite's own record of what it ran on: key and value, as the bench's
+            for row in members:
+                console.print(env_table(row, f"{title}: env"))
+            continue
+        keys = _own_columns(members, env)
         table = rich_table.Table(title=plain(f"{title}: {kind}" if kind else title), title_justify="left")
         for key in keys:
             table.add_column(plain(key))
@@ -230,9 +266,12 @@ def write_rows(out_dir: Path, title: str, rows: Sequence[Row], env: dict[str, An
 
 def rows_markdown(title: str, rows: Sequence[Row], env: dict[str, Any]) -> str:
     """A suite's own rows as markdown, one table per kind of row, after the environment."""
-    lines = ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+    lines = env_markdown(env)
     for kind, members in _by_kind(rows):
-        keys = [k for k in columns(members) if k != "kind"]
+        if kind == "env":
+            lines += [line for row in members for line in ["", *env_markdown(row, f"{title}: env")]]
+            continue
+        keys = _own_columns(members, env)
         lines += ["", f"**{title}: {kind}**" if kind else f"**{title}**", "",
                   "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         lines += ["| " + " | ".join(_cell(row.get(k)) for k in keys) + " |" for row in members]
@@ -240,8 +279,7 @@ def rows_markdown(title: str, rows: Sequence[Row], env: dict[str, Any]) -> str:
 
 
 def markdown(rows: Sequence[Row], found: Sequence[Target], env: dict[str, Any], matmul: float) -> str:
-    lines = ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())
-             + f"; matmul (best sample) {matmul:.0f} GFLOP/s"]
+    lines = env_markdown({**env, "matmul (best sample)": f"{matmul:.0f} GFLOP/s"})
     for title, members in groups(rows):
         lines += ["", f"**{title}**", "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
         lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(members, matmul)]
@@ -274,11 +312,15 @@ def plot_style(contender: str) -> dict[str, Any]:
             "markersize": 4, "zorder": 2}
 
 
-def _plotted(row: Row, mode: str, metric: str) -> bool:
-    """Whether a row belongs on the ``mode`` panel of the ``metric`` plot: B=1, a layer (or decode) case, measured."""
+def _in_panel(row: Row, mode: str) -> bool:
+    """Whether a row belongs on the ``mode`` panel: B=1, a layer (or decode) case, measured or not."""
     kind = "decode" if mode == "decode" else "layer"
-    return (row["mode"] == mode and row["batch"] == 1 and row.get("kind", "layer") == kind
-            and bool(row.get(metric)))
+    return row["mode"] == mode and row["batch"] == 1 and row.get("kind", "layer") == kind
+
+
+def _plotted(row: Row, mode: str, metric: str) -> bool:
+    """Whether a row is drawn on the ``mode`` panel of the ``metric`` plot: in the panel and measured."""
+    return _in_panel(row, mode) and bool(row.get(metric))
 
 
 def _panels(rows: Sequence[Row]) -> list[str]:
@@ -289,40 +331,57 @@ def _panels(rows: Sequence[Row]) -> list[str]:
 
 
 def _draw_lines(ax: Any, series: dict[str, list[tuple[int, float]]]) -> None:
-    """Each contender's values against T, on a log T axis."""
+    """Each contender's values against T, on log axes."""
     for contender, points in sorted(series.items()):
         xs, ys = zip(*sorted(points), strict=True)
         ax.plot(xs, ys, label=contender, **plot_style(contender))
-    ax.set_xscale("log")
+    ax.set(xscale="log", yscale="log")
+    ax.grid(True, which="both", alpha=0.3)
+    if series:
+        ax.legend(fontsize=7)
 
 
-def _draw_dots(ax: Any, series: dict[str, list[tuple[int, float]]]) -> None:
-    """One length only: a dot per contender, side by side (on a T axis they would sit on one line and hide)."""
-    names = sorted(series)
-    for i, contender in enumerate(names):
-        ax.plot([i], [series[contender][0][1]], label=contender, **plot_style(contender))
-    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
-    ax.set_xlim(-0.5, len(names) - 0.5)
+def _why_no_value(row: Row, metric: str) -> str:
+    """What a contender's missing bar says: why it was skipped or failed, or what its value was."""
+    if row.get("status", "ok") != "ok":
+        reason = str(row.get("reason") or "").strip().splitlines()
+        return f"{row['status']}: {reason[0][:60]}" if reason else str(row["status"])
+    if row.get(metric) == 0:
+        return "0 MiB: no growth of the resident set" if metric == "peak_mib" else "0"
+    return str(row.get("reason") or "not measured")[:60]
 
 
-def _draw_panel(ax: Any, rows: Sequence[Row], mode: str, metric: str, label: str) -> None:
-    """One mode's contenders against T (or side by side at a single T); an empty panel says so."""
+def _draw_bars(ax: Any, members: Sequence[Row], metric: str, unit: str) -> None:
+    """One length only: a horizontal bar per contender on a linear axis, each labelled with its value; a
+    contender without a value (skipped, failed, 0 MiB, not measured) keeps its place, with an empty bar
+    labelled with why (a dot per contender on a log axis hid how far apart they were, and dropped these)."""
+    members = sorted(members, key=lambda r: r["contender"])
+    names = [r["contender"] for r in members]
+    widths = [float(r[metric]) if r.get(metric) else 0.0 for r in members]
+    labels = [f"{w:.3g} {unit}" if w else _why_no_value(r, metric) for r, w in zip(members, widths, strict=True)]
+    bars = ax.barh(range(len(names)), widths, color=[plot_style(n)["color"] for n in names], height=0.7)
+    ax.bar_label(bars, labels=labels, padding=3, fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.invert_yaxis()  # the first contender on top
+    ax.set_xlim(0, 1.45 * max(widths, default=0.0) or 1.0)  # room for the labels
+    ax.grid(True, axis="x", alpha=0.3)
+
+
+def _draw_panel(ax: Any, rows: Sequence[Row], mode: str, metric: str, label: str, unit: str) -> None:
+    """One mode's contenders against T, or as bars at a single T; an empty panel says so."""
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         if _plotted(r, mode, metric):
             series.setdefault(r["contender"], []).append((r["seq_len"], r[metric]))
     lengths = sorted({t for points in series.values() for t, _ in points})
-    xlabel = "context length T" if mode == "decode" else "sequence length T"
+    length = "context length T" if mode == "decode" else "sequence length T"
     if len(lengths) == 1:
-        _draw_dots(ax, series)
-        xlabel = f"contender, at {xlabel} = {lengths[0]}"
+        _draw_bars(ax, [r for r in rows if _in_panel(r, mode) and r["seq_len"] == lengths[0]], metric, unit)
+        ax.set(xlabel=label, title=f"{mode}, B=1, {length} = {lengths[0]}")
     else:
         _draw_lines(ax, series)
-    ax.set(yscale="log", xlabel=xlabel, ylabel=label, title=f"{mode}, B=1")
-    ax.grid(True, which="both", alpha=0.3)
-    if series:
-        ax.legend(fontsize=7)
-    else:
+        ax.set(xlabel=length, ylabel=label, title=f"{mode}, B=1")
+    if not series:
         ax.text(0.5, 0.5, f"no {mode} rows at B=1 in this run", ha="center", va="center",
                 transform=ax.transAxes, color="gray")
 
@@ -331,7 +390,9 @@ def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
     """Time and peak memory against T (log scales), per mode, for batch 1 layer and decode contenders.
 
     A contender timed at one length is drawn as a single marker; a panel whose
-    contenders share one length shows them side by side. A plot with
+    contenders share one length (``--quick``) is a horizontal bar chart on a
+    linear axis, a labelled bar per contender, one without a value (skipped,
+    0 MiB) labelled with why. A plot with
     nothing to draw is not written: a run with no layer or decode rows at B=1
     gets none ([] is returned), and a run that measured no memory
     (``--no-memory``) gets no memory.png.
@@ -340,13 +401,14 @@ def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
 
     modes = _panels(rows)
     written = []
-    for metric, label, name in (("median_ms", "ms per call", "time.png"), ("peak_mib", "peak extra MiB", "memory.png")):
+    for metric, label, unit, name in (("median_ms", "ms per call", "ms", "time.png"),
+                                      ("peak_mib", "peak extra MiB", "MiB", "memory.png")):
         if not any(_plotted(r, mode, metric) for r in rows for mode in modes):
             continue
         fig = new_figure(5.5 * len(modes), 4.2)
         axes = fig.subplots(1, len(modes), squeeze=False)[0]
         for ax, mode in zip(axes, modes, strict=True):
-            _draw_panel(ax, rows, mode, metric, label)
+            _draw_panel(ax, rows, mode, metric, label, unit)
         fig.savefig(out_dir / name, dpi=110)
         written.append(out_dir / name)
     return written

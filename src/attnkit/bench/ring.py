@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from attnkit.bench.memory import _reset_cpu_peak, _status_kib
+from attnkit.bench.report import env_text
 from attnkit.bench.runner import cpu_record
 from attnkit.distributed import ring_attention, ring_timing
 from attnkit.distributed.launch import run_world
@@ -158,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu = cpu_record()
     rows = [{**row, **cpu} for row in run_ring_suite(seq_lens=ints(args.seq_lens), world_sizes=ints(args.world_sizes),
                                                      modes=tuple(args.modes.split(",")), repeats=args.repeats)]
-    print(f"torch {torch.__version__}, {platform.machine()}, cpu {cpu['cpu']} ({cpu['cpu_capability']}), "
-          f"{os.cpu_count()} cores, float32, causal, B=1, d_model=768, 12 heads; gloo on 127.0.0.1")
+    print(env_text({"torch": torch.__version__, "machine": platform.machine(), **cpu, "cpu_count": os.cpu_count(),
+                    "case": "float32, causal, B=1, d_model=768, 12 heads", "transport": "gloo on 127.0.0.1"}))
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

