@@ -578,3 +578,23 @@ def test_a_stream_over_kept_caches_ends_at_its_stop_string_with_the_caches_noted
     cut = "".join(stream_text(tiny32, tiny32.decode, ids, max_new_tokens=8, stop_ids=[], stop=free[3:5], kept=kept))
     assert free.startswith(cut) and len(cut) < len(free)
     assert kept.length > ids.shape[1] and all(len(cache) == kept.length for cache in kept.caches)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_logit_bias_forces_bans_and_leaves_other_tokens_alone(tiny64: Any, compiled: bool) -> None:
+    """OpenAI's logit_bias in generate(): +100 forces a token at every step, -100 on the greedy choice gives the
+    runner-up of the unbiased logits, and a bias on an unlikely token changes nothing (a bias applied to the
+    wrong token, only at the first step, or not in the compiled step would break one of these)."""
+    ids = tiny64.tokenize("the sin")["input_ids"]
+    plain = tiny64.generate(ids, max_new_tokens=5, stop_ids=[], compile=compiled)[0, ids.shape[1]:]
+    forced = tiny64.generate(ids, max_new_tokens=5, stop_ids=[], compile=compiled, logit_bias={"7": 100})
+    assert forced[0, ids.shape[1]:].tolist() == [7] * 5
+    with torch.inference_mode():
+        logits = tiny64(ids)[0, -1]  # (V,)
+    first, second = logits.topk(2).indices.tolist()
+    assert int(plain[0]) == first
+    banned = tiny64.generate(ids, max_new_tokens=1, stop_ids=[], compile=compiled, logit_bias={first: -100})
+    assert int(banned[0, -1]) == second
+    unlikely = int(logits.argmin())
+    same = tiny64.generate(ids, max_new_tokens=5, stop_ids=[], compile=compiled, logit_bias={unlikely: 1.0})
+    assert same[0, ids.shape[1]:].tolist() == plain.tolist()

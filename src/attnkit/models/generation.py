@@ -77,12 +77,14 @@ class DecodeState:
     step: Tensor  # how many tokens each row has sampled (the sampler's counter)
     counts: Tensor | None = None  # (B, V) float: each token's count in the answer, with penalties only
     seen: Tensor | None = None  # (B, V) bool: in the prompt or the answer, with penalties only
+    bias: Tensor | None = None  # (V,) float: logit_bias, added to every row's logits first
 
     def cloned(self) -> DecodeState:
         """A copy of every tensor: a CUDA graph's outputs are overwritten by its next replay."""
         counts, seen = self.counts, self.seen
         return DecodeState(self.token.clone(), self.position.clone(), self.done.clone(), self.step.clone(),
-                           None if counts is None else counts.clone(), None if seen is None else seen.clone())
+                           None if counts is None else counts.clone(), None if seen is None else seen.clone(),
+                           self.bias)
 
 
 def decode_step(model: CausalLM, caches: Sequence[Cache], state: DecodeState, sampler: Sampler, seeds: Tensor,
@@ -102,6 +104,8 @@ def decode_step(model: CausalLM, caches: Sequence[Cache], state: DecodeState, sa
 def _choose(model: CausalLM, logits: Tensor, state: DecodeState, sampler: Sampler, seeds: Tensor,
             stop_ids: Tensor, penalties: Penalties | None) -> DecodeState:
     counts, seen = state.counts, state.seen
+    if state.bias is not None:
+        logits = logits + state.bias  # (B, V) + (V,)
     if penalties is not None and counts is not None and seen is not None:
         logits = penalties(logits, counts, seen)  # (B, V)
     token = sampler(logits, seeds, state.step).masked_fill(state.done, model.pad_token_id)  # (B, V) -> (B,)
@@ -109,7 +113,7 @@ def _choose(model: CausalLM, logits: Tensor, state: DecodeState, sampler: Sample
         counts = counts.scatter_add(1, token[:, None], torch.ones_like(counts[:, :1]))  # (B, V)
         seen = seen.scatter(1, token[:, None], True)  # (B, V)
     done = state.done | torch.isin(token, stop_ids)
-    return DecodeState(token, state.position + 1, done, state.step + 1, counts, seen)
+    return DecodeState(token, state.position + 1, done, state.step + 1, counts, seen, state.bias)
 
 
 def _seen(ids: Tensor, mask: Tensor | None, vocab_size: int) -> Tensor:
@@ -295,6 +299,10 @@ def _steps(model: CausalLM, ids: Tensor, mask: Tensor | None, opts: GenerationOp
     start = positions[:, -1] + 1 if positions is not None else torch.full((b,), t, device=ids.device)  # (B,)
     zeros = torch.zeros(b, dtype=torch.long, device=ids.device)
     state = DecodeState(ids[:, -1], start - 1, zeros.bool(), zeros)  # the prompt's last token, at start - 1
+    if opts.logit_bias:
+        biased = torch.tensor(list(opts.logit_bias), dtype=torch.long, device=ids.device)  # (k,)
+        values = torch.tensor(list(opts.logit_bias.values()), device=ids.device)  # (k,)
+        state.bias = torch.zeros(model.vocab_size, device=ids.device).index_add_(0, biased, values)  # (V,)
     penalties = opts.penalties if opts.penalties.active else None
     if penalties is not None:
         state.counts = torch.zeros(b, model.vocab_size, device=ids.device)  # (B, V)

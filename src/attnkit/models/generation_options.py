@@ -99,8 +99,8 @@ class GenerationOptions:
             -100 all but bans a token, 100 all but forces it. At most 300
             ids (ints, or their decimal strings as JSON keys are), each in
             the vocabulary (checked against the model before the first
-            token). The serving engine applies it; ``generate()`` does not
-            yet.
+            token). ``generate()``, ``stream()`` and the serving engine
+            apply it.
         stop: strings that end the text (a string or a list of them); the
             first match ends it and is not shown. Text streams honour it
             (``stream()``, the serving engine); ``generate()`` returns ids,
