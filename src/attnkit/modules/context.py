@@ -51,7 +51,7 @@ class StepContext:
     positions: Tensor | None = None
     key_mask: Tensor | None = None
     check_caches: bool = False
-    _angles: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    _angles: dict[tuple[RotaryEmbedding, torch.dtype], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[bool, int | None], Tensor] = field(default_factory=dict, repr=False)
     _kernels: dict[tuple[str, bool, bool, bool, bool], Callable[[AttentionCall], Tensor]] = field(
         default_factory=dict, repr=False)
@@ -75,7 +75,7 @@ class StepContext:
     def angles(self, rope: RotaryEmbedding, length: int, dtype: torch.dtype, device: torch.device
                ) -> tuple[Tensor, Tensor]:
         """cos and signed sin of this step's positions for ``rope``: (T, D), or (B, 1, T, D) per row."""
-        key = (id(rope), dtype)
+        key = (rope, dtype)  # a module hashes by identity
         if key not in self._angles:
             if self.positions is None:
                 at = torch.arange(self.offset, self.offset + length, device=device)  # (T,)

@@ -438,7 +438,9 @@ class KVCache(GrowingSlots):
     def write(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position), unchecked
         (:meth:`update` checks first)."""
-        needed = self._begin_update(k)
+        self._leave_inference_mode()
+        needed = self._length + k.shape[2]
+        assert self.capacity is None or needed <= self.capacity, f"KVCache capacity {self.capacity} exceeded"
         if self._k is None or needed > self._k.shape[2] or (positions is not None and self._pos is None):
             self._reserve(needed, k, v, positions is not None)
         assert self._k is not None and self._v is not None  # _reserve allocated them
