@@ -7,6 +7,10 @@
 - :mod:`attnkit.serve.engine`: the engine thread, events, cancellation and metrics;
 - :mod:`attnkit.serve.embeddings`: ``/v1/embeddings`` requests checked and run on MiniLM;
 - :mod:`attnkit.serve.checks`: an OpenAI request's fields checked one by one, and OpenAI's error shape;
+- :mod:`attnkit.serve.tools`: tool calls: whether a template offers tools, the call syntax, its grammar;
+- :mod:`attnkit.serve.grammar`: JSON Schemas (and tool calls) as llguidance constraints on the logits;
+- :mod:`attnkit.serve.parsing`: a checked request turned into what the engine runs (``Server``);
+- :mod:`attnkit.serve.answers`: results and streams shaped as OpenAI's answers;
 - :mod:`attnkit.serve.api`: the HTTP routes (extra ``serve``: FastAPI and uvicorn) and the chat page.
 
 A request's options are :class:`attnkit.models.generation_options.GenerationOptions`, the type ``generate()`` takes.

@@ -7,13 +7,16 @@ and seed (:mod:`attnkit.models.sampling`: the same random numbers, penalties
 and sampler as ``generate`` alone), with its logprobs when asked for. A row's
 ``logit_bias`` is added to its logits first; then a row whose request carries
 a constraint (:mod:`attnkit.serve.grammar`) has the tokens it forbids set to
--inf, each row by its own constraint.
+-inf, each row by its own constraint. A penalised request's (counts, seen) are
+kept between steps (:class:`History`) and take each new token as it comes.
 
 Legend: B rows in a forward, T tokens per row, V vocabulary.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +43,8 @@ class Runner:
 
     def __init__(self, model: Any, pool: PagedKVPool) -> None:
         self.model, self.pool = model, pool
+        # each penalised request's History, dropped with the request (its last reference gone)
+        self.histories: weakref.WeakKeyDictionary[Request, History] = weakref.WeakKeyDictionary()
 
     def forward(self, rows: list[Row]) -> Tensor:
         """Feed each row's tokens (right-aligned, padded to one width); logits (B, V) of each row's last token."""
@@ -73,7 +78,9 @@ class Runner:
             options = requests[rows[0]].options
             scores = logits[rows]  # (n, V)
             if options.penalties.active:
-                scores = options.penalties(scores, *_history([requests[b] for b in rows], scores.shape[-1]))
+                counts, seen = _history([requests[b] for b in rows], self.histories, scores.shape[-1],
+                                        scores.device)
+                scores = options.penalties(scores, counts, seen)
             seeds = torch.tensor([requests[b].seed for b in rows])  # (n,)
             steps = torch.tensor([requests[b].generated for b in rows])  # (n,)
             tokens = options.sampler(scores, seeds, steps).tolist()
@@ -137,12 +144,40 @@ def _constrain(requests: list[Request], logits: Tensor) -> Tensor:
     return masked
 
 
-def _history(requests: list[Request], vocab_size: int) -> tuple[Tensor, Tensor]:
-    """(counts, seen) (n, V): each request's answer tokens counted, and its prompt's and answer's tokens."""
-    counts = torch.zeros(len(requests), vocab_size)  # (n, V)
-    seen = torch.zeros(len(requests), vocab_size, dtype=torch.bool)  # (n, V)
-    for i, request in enumerate(requests):
-        answer = torch.tensor(request.tokens[len(request.prompt) :], dtype=torch.long)
-        counts[i] = torch.bincount(answer, minlength=vocab_size).float()
-        seen[i, torch.tensor(request.tokens, dtype=torch.long)] = True
+@dataclass
+class History:
+    """A penalised request's tokens so far, as the penalties read them: ``counts`` (V,) how often each token
+    appears in its answer, ``seen`` (V,) bool which tokens its prompt or answer holds; ``upto``: how many of
+    ``request.tokens`` they count. A request's tokens only grow (a preempted one keeps them and recomputes only
+    their keys and values), so each step adds the tokens after ``upto``: one per step, not all of them again."""
+
+    counts: Tensor
+    seen: Tensor
+    upto: int = 0
+
+    def update(self, request: Request) -> None:
+        """Count ``request.tokens[upto:]``: the prompt at the first sampling step, then each token sampled."""
+        new = request.tokens[self.upto :]
+        if not new:
+            return
+        ids = torch.tensor(new, dtype=torch.long, device=self.seen.device)  # (k,)
+        self.seen[ids] = True
+        answer = ids[max(len(request.prompt) - self.upto, 0) :]  # (a,): the new tokens after the prompt
+        self.counts.index_put_((answer,), torch.ones_like(answer, dtype=self.counts.dtype), accumulate=True)
+        self.upto = len(request.tokens)
+
+
+def _history(requests: list[Request], histories: MutableMapping[Request, History], vocab_size: int,
+             device: torch.device) -> tuple[Tensor, Tensor]:
+    """(counts, seen) (n, V): each request's answer tokens counted, and its prompt's and answer's tokens; kept
+    per request in ``histories`` (created at its first sampling step) and brought up to date with its new
+    tokens."""
+    for request in requests:
+        history = histories.get(request)
+        if history is None:
+            history = histories[request] = History(torch.zeros(vocab_size, device=device),
+                                                   torch.zeros(vocab_size, dtype=torch.bool, device=device))
+        history.update(request)
+    counts = torch.stack([histories[request].counts for request in requests])  # n x (V,) -> (n, V)
+    seen = torch.stack([histories[request].seen for request in requests])  # n x (V,) -> (n, V)
     return counts, seen
