@@ -1,4 +1,5 @@
-"""Python calls in one decode step of SmolLM2, per decoder layer: what the framework costs besides the kernels.
+"""Python calls in one decode step of SmolLM2, per decoder layer: what the framework costs besides the kernels;
+and the files of attnkit a serving engine's decode step crosses.
 
     python -m attnkit.bench.calls            # growing and static caches, batch 1, as a table
     python -m attnkit.bench.calls --json     # the same as JSON
@@ -60,6 +61,32 @@ def count_step(model: Any, static: bool) -> tuple[int, Counter[str]]:
     return sum(seen.values()), seen
 
 
+def engine_step_files(model: Any) -> list[str]:
+    """attnkit's source files (relative to the package) whose code runs in one decoding step of the serving
+    engine (``Engine.step``, one request decoding after a 16-token prompt), in the order first reached."""
+    from attnkit.models.generation_options import GenerationOptions
+    from attnkit.serve import Engine
+
+    engine = Engine(model, lambda ids: "", kv_memory_mib=8, block_size=16, max_batch=2)
+    engine.submit(list(range(1, PROMPT + 1)), GenerationOptions(max_new_tokens=8), lambda event: None)
+    with torch.inference_mode():
+        engine.step()  # the prefill and the first token
+        engine.step()  # one decoding step to warm every path once
+        files: dict[str, None] = {}
+
+        def profile(frame: FrameType, event: str, arg: object) -> None:
+            name = frame.f_code.co_filename
+            if event == "call" and "/attnkit/" in name and "/attnkit/bench/" not in name:  # not this callback
+                files.setdefault(name.rsplit("/attnkit/", 1)[-1], None)
+
+        sys.setprofile(profile)
+        try:
+            engine.step()
+        finally:
+            sys.setprofile(None)
+    return list(files)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m attnkit.bench.calls", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -73,14 +100,18 @@ def main(argv: list[str] | None = None) -> None:
         rows[name] = {"calls_per_step": total, "calls_per_layer": total / layers,
                       "top": seen.most_common(args.top)}
     capability = str(torch.backends.cpu.get_cpu_capability())
+    files = engine_step_files(model)
     if args.json:
-        print(json.dumps({"layers": layers, "cpu_capability": capability, "torch": torch.__version__, **rows}))
+        print(json.dumps({"layers": layers, "cpu_capability": capability, "torch": torch.__version__, **rows,
+                          "engine_step_files": files}))
         return
     print(f"Python calls in one decode step, batch 1, {layers} layers (torch {torch.__version__}, {capability})")
     for name, row in rows.items():
         print(f"  {name:8} cache: {row['calls_per_step']:6d} per step, {row['calls_per_layer']:6.1f} per layer")
         for function, n in row["top"]:
             print(f"      {n:6d}  {function}")
+    print(f"attnkit files one serving engine decode step crosses: {len(files)}")
+    print("  " + ", ".join(files))
 
 
 if __name__ == "__main__":
