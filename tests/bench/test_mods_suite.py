@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from attnkit import cli
+from attnkit.backends import attention
 from attnkit.bench import command, mods
-from attnkit.bench.mods import ATOL, CASES, Case, Contender, ModsSuite, run_case, run_mods_suite
+from attnkit.bench.mods import ATOL, CASES, Case, Contender, ModsSuite, mods_targets, run_case, run_mods_suite
+from attnkit.functional.masks import position_mask
+from attnkit.functional.modifiers import sliding_window
 
 TINY = dict(long_len=256, short_len=128, window=32, documents=4, num_heads=3, num_kv_heads=1, head_dim=8)
 CONTENDERS = {  # the keys of each case without FlexAttention
@@ -67,16 +70,26 @@ def test_every_case_is_checked_timed_and_decides_its_targets():
     assert all(t["met"] == (t["verdict"] == "met") for t in targets)
 
 
-def test_a_dense_mask_one_key_too_wide_is_caught_and_not_timed(monkeypatch):
+def test_a_dense_mask_one_key_too_wide_is_caught_and_not_timed():
     """An off-by-one in the dense band (> q - window - 1): its output differs, so it is neither timed nor judged."""
-    original = mods._dense_window
-    monkeypatch.setattr(mods, "_dense_window", lambda q, k, v, window: original(q, k, v, window + 1))
     suite = _suite(cases=("window",))
-    rows = run_mods_suite(suite)
+    t, w = suite.long_len, suite.window
+    q = torch.randn(suite.batch, suite.num_heads, t, suite.head_dim)  # (B, H, T, D)
+    k, v = torch.randn(2, suite.batch, suite.num_kv_heads, t, suite.head_dim)  # (B, G, S, D) each
+    positions = torch.arange(t)[None]  # (1, T)
+    too_wide = position_mask(positions, positions, causal=True, window=w + 1)[0, 0]  # (T, S): one key too many
+    def chunked(**kwargs):  # a contender's build, as the suite's: chunked attention over the same q, k, v
+        return lambda: lambda: attention(q, k, v, backend="chunked", **kwargs)
+
+    case = Case("window", mods.case_title("window", suite), "chunked window", (
+        Contender("chunked window", "window", chunked(causal=True, window=w)),
+        Contender("chunked mask_mod", "mask_mod", chunked(mask_mod=sliding_window(w)), "chunked window"),
+        Contender("chunked dense mask", "dense band", chunked(mask=too_wide), "chunked window")))
+    rows = run_case(case, repeats=suite.repeats, warmup=suite.warmup)
     dense = _case_rows(rows, suite, "window")["chunked dense mask"]
     assert dense["status"] == "wrong" and dense["median_ms"] is None
     assert dense["reason"].startswith("differs from chunked window") and "Mismatched elements" in dense["reason"]
-    window_targets = [t for t in _targets(rows) if "dense-mask" in t["target"]]
+    window_targets = [t for t in mods_targets(rows, suite) if "dense-mask" in t["target"]]
     assert [t["verdict"] for t in window_targets] == ["not measured in this run"] * 2
     assert _case_rows(rows, suite, "window")["chunked mask_mod"]["status"] == "ok"
 

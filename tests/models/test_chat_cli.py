@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from attnkit.cli import main
-from attnkit.models import cli as models_cli
+from attnkit.models import loader
 from tests._util import need
 from tests.models._decoder import write_tiny_llama
 
@@ -153,7 +153,8 @@ def test_ctrl_c_over_typed_text_clears_the_line_and_at_an_empty_prompt_ends(tiny
             return self.buffer
 
     fake = Readline()
-    monkeypatch.setattr(models_cli, "_line_editing", lambda: fake)
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)  # a person at a terminal: chat takes up readline
+    monkeypatch.setitem(sys.modules, "readline", fake)
     typed = iter([KeyboardInterrupt, "/reset", KeyboardInterrupt, "never read"])
 
     def keys(prompt: str = "") -> str:
@@ -186,14 +187,14 @@ def test_an_answer_the_model_ends_is_not_called_cut(tiny: str, model: Any, monke
     sampled = model.generate(ids, max_new_tokens=8, stop_ids=[], temperature=5.0, seed=0)  # (1, T + 8)
     tokens = sampled[0, ids.shape[1]:].tolist()
     n = next(j + 1 for j in range(1, len(tokens)) if tokens[j] not in tokens[:j])  # a first occurrence
-    load = models_cli._load
+    load = loader.load_gguf
 
-    def stops_at_token_n(*args: Any) -> Any:
-        loaded = load(*args)
+    def stops_at_token_n(*args: Any, **kwargs: Any) -> Any:
+        loaded = load(*args, **kwargs)
         loaded.stop_token_ids = (tokens[n - 1],)
         return loaded
 
-    monkeypatch.setattr(models_cli, "_load", stops_at_token_n)
+    monkeypatch.setattr(loader, "load_gguf", stops_at_token_n)  # what `attnkit chat` loads the file with
     _typing(monkeypatch, ["hi"])
     assert main(["chat", "--gguf", tiny, "--max-new-tokens", str(n), "--temperature", "5", "--seed", "0"]) == 0
     err = " ".join(capsys.readouterr().err.split())
@@ -231,14 +232,14 @@ def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(
 def test_a_broken_chat_template_is_one_line_and_exit_2(tiny: str, template: str, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """A template syntax error in the model file ended `attnkit chat` in a jinja2 traceback."""
-    load = models_cli._load
+    load = loader.load_gguf
 
-    def broken(*args: Any) -> Any:
-        loaded = load(*args)
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        loaded = load(*args, **kwargs)
         loaded.tokenizer.chat_template = template
         return loaded
 
-    monkeypatch.setattr(models_cli, "_load", broken)
+    monkeypatch.setattr(loader, "load_gguf", broken)  # what `attnkit chat` and `attnkit generate` load with
     _typing(monkeypatch, ["hi"])
     assert main(["chat", "--gguf", tiny]) == 2
     err = capsys.readouterr().err

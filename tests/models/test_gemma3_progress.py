@@ -15,7 +15,7 @@ def test_the_first_assembly_prints_a_progress_line_on_stderr(fake_package: FakeP
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """Bug: ``attnkit generate --model gemma3`` sat silent for 80 s on its first run (its progress bar shows
     only at a terminal)."""
-    from attnkit.models.cli import packaged_path
+    from attnkit.models.runtime_options import packaged_path
 
     monkeypatch.setenv("ATTNKIT_CACHE", str(tmp_path))
     path = packaged_path("gemma3")

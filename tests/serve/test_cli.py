@@ -188,5 +188,5 @@ def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path
     finally:
         process.stop()
     (banner,) = [line for line in (tmp_path / "server.log").read_text().splitlines() if "attnkit serve:" in line]
-    assert banner.startswith("attnkit serve: tiny.gguf, model id tiny (") and "; 1 CPU threads)" in banner
+    assert banner.startswith("attnkit serve: tiny.gguf, model id tiny (") and "; 1 CPU thread)" in banner
     assert " bfloat16 KV blocks of 16 positions" in banner

@@ -69,8 +69,7 @@ def test_a_preempted_penalised_request_recomputes_and_keeps_its_counts() -> None
 def test_a_history_counts_the_answer_and_sees_the_prompt_token_by_token() -> None:
     """The incremental history equals one built from all the tokens at once, whatever the steps' sizes."""
     engine = _engine(_model())
-    engine.submit([4, 4, 9], GenerationOptions(max_new_tokens=8), lambda event: None)
-    request = engine._inbox[0]
+    request = engine.submit([4, 4, 9], GenerationOptions(max_new_tokens=8), lambda event: None)
     history = History(torch.zeros(50), torch.zeros(50, dtype=torch.bool))
     for token in (9, 9, 2, 4, 7):
         history.update(request)

@@ -300,8 +300,12 @@ class GGUFTokenizer:
         return chat.render(self.chat_template, messages, name=self.template_name,
                            add_generation_prompt=add_generation_prompt, variables=special)
 
-    def _encode(self, text: str, *, special: bool) -> list[int]:
-        """Ids of ``text`` with no BOS added; ``special=False`` spells control-token strings as plain text."""
+    def encode_piece(self, text: str, *, special: bool) -> list[int]:
+        """Ids of ``text``, one piece of a prompt, with no BOS added (unlike :meth:`encode`).
+
+        ``special=True`` matches control-token strings whole, as :meth:`encode` does; ``special=False`` spells them
+        as plain text: how :meth:`chat_ids` encodes message content, so that it cannot forge a turn.
+        """
         _check_text(text)
         self._tok.encode_special_tokens = not special
         try:
@@ -329,9 +333,9 @@ class GGUFTokenizer:
             self._refuse_specials_outside_content(messages, tools)
         contents = [m["content"] for m in messages]
         if special_in_content or not any(s in c for c in contents for s in self.specials):
-            return self._encode(text, special=True)  # nothing to guard: exactly the rendered text's ids
+            return self.encode_piece(text, special=True)  # nothing to guard: exactly the rendered text's ids
         pieces = self._markup_and_contents(messages, text, add_generation_prompt, tools)
-        return [i for piece, is_content in pieces for i in self._encode(piece, special=not is_content)]
+        return [i for piece, is_content in pieces for i in self.encode_piece(piece, special=not is_content)]
 
     def _refuse_specials_outside_content(self, messages: Sequence[Mapping[str, Any]],
                                          tools: Sequence[Mapping[str, Any]] | None) -> None:

@@ -10,8 +10,8 @@
     attnkit serve --threads 4              # beside other workers: give each process its share of the cores
 
 --threads, --device, --kv-dtype, --compile and --cache are generate's and chat's options, with their help texts
-(:func:`attnkit.models.cli.add_runtime_options`); what the paged engine cannot do (int8 blocks, a compiled step,
-sink caches, a GPU) is refused by name, never ignored.
+(:func:`~attnkit.models.runtime_options.add_runtime_options`); what the paged engine cannot do (int8 blocks,
+a compiled step, sink caches, a GPU) is refused by name, never ignored.
 
 Imports stay light: torch, the model and FastAPI load only when the command runs.
 """
@@ -34,7 +34,7 @@ EMBEDDING_MODEL = "minilm"  # served by attnkit.serve.embeddings
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
-    from attnkit.models.cli import MODELS, add_runtime_options
+    from attnkit.models.runtime_options import MODELS, add_runtime_options
     from attnkit.modules.quantize import WEIGHT_FORMS
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
@@ -106,7 +106,7 @@ def refuse_unserved(args: argparse.Namespace) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from attnkit.models.cli import check_runtime_options
+    from attnkit.models.runtime_options import check_runtime_options
 
     if args.gguf is not None and args.model is not None:
         raise ValueError(f"--model {args.model} and --gguf name two models: give one")
@@ -189,8 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any) -> int:
     import torch
 
-    from attnkit.models.cli import describe_device, model_name, packaged_path, set_threads
     from attnkit.models.loader import load_gguf
+    from attnkit.models.runtime_options import describe_device, model_name, packaged_path, set_threads
     from attnkit.modules.quantize import weight_form
 
     from .api import Server
@@ -221,8 +221,9 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
     server = Server(engine, model.tokenizer, model_name=name, aliases=args.alias or (),
                     api_key=args.api_key, context_length=model.context_length, embedder=embedder)
     beside = "" if embedder is None else f"; embeddings from {EMBEDDING_MODEL} on POST /v1/embeddings"
+    threads = torch.get_num_threads()
     print(f"attnkit serve: {model_name(args)}, model id {name} ({weights} weights, {describe_device(args.device)}; "
-          f"{torch.get_num_threads()} CPU threads) on http://{args.host}:{port} "
+          f"{threads} CPU thread{'s' if threads > 1 else ''}) on http://{args.host}:{port} "
           f"({engine.blocks.num_blocks} {args.kv_dtype} KV blocks of {args.block_size} positions{beside})",
           file=sys.stderr, flush=True)
     try:

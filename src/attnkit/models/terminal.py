@@ -1,0 +1,226 @@
+"""A decoder at the terminal, for ``attnkit generate`` and ``attnkit chat``: their options checked before the
+load, the model loaded with a progress bar and a load line, an answer streamed to stdout, its speed on stderr.
+
+Imports stay light: torch and the model load only when a function runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from attnkit._optional import require
+from attnkit.models.runtime_options import (
+    BASE_MODELS,
+    check_runtime_options,
+    describe_device,
+    model_name,
+    packaged_path,
+)
+
+if TYPE_CHECKING:
+    from attnkit.models.decoder import DecoderModel
+    from attnkit.models.generation import KeptCaches
+    from attnkit.models.generation_options import GenerationStats
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+
+def check_options(args: argparse.Namespace, *, chat: bool) -> None:
+    """Reject bad options before the (slow) model load; ``chat``: the prompt goes through a chat template."""
+    from attnkit.models.sampling import Penalties, Sampler
+    from attnkit.models.sink_caches import SinkSpec
+
+    if args.gguf is not None and args.model is not None:
+        raise ValueError(f"--model {args.model} and --gguf name two models: give one")
+    if chat and args.model in BASE_MODELS:
+        command = "generate --chat" if getattr(args, "chat", False) else "chat"
+        raise ValueError(f"--model {args.model} is a base model: it has no chat template and continues text, so "
+                         f"{command} does not apply; run attnkit generate --model {args.model} \"TEXT\" without "
+                         "--chat")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_runtime_options(args)
+    if args.device != "cpu" and args.weights not in (None, "float32"):
+        raise ValueError(f"--weights {args.weights} packs the weights for PyTorch's CPU kernels; on --device "
+                         f"{args.device} they stay plain: drop --weights (or give float32)")
+    if args.weights not in (None, "float32") and args.dtype != "float32":
+        raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
+    Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value
+    Penalties(args.frequency_penalty, args.presence_penalty, args.repetition_penalty)  # likewise
+    shaping = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("top_k", "top_p", "seed")
+               if getattr(args, name) is not None]
+    if shaping and args.temperature == 0:
+        raise ValueError(f"{', '.join(shaping)} shape sampling, and --temperature 0 (the default) is greedy: add "
+                         "--temperature > 0 (e.g. 0.7), or drop them")
+    sink = SinkSpec.parse(args.cache)
+    if args.compile and sink is not None:
+        raise ValueError(f"--compile runs over static caches and --cache {args.cache} evicts (its shapes change): "
+                         "use one or the other")
+    if args.compile and args.kv_dtype == "int8":
+        raise ValueError("--compile runs over static caches and --kv-dtype int8 is a growing cache: use one or the "
+                         "other")
+    narrow = args.kv_dtype in ("bfloat16", "float16")  # int8 takes a float32 or a bfloat16 model's keys
+    if args.kv_dtype != "float32" and (sink is not None or (narrow and args.dtype != "float32")):
+        why = f"--cache {args.cache} keeps its window" if sink is not None else f"--dtype {args.dtype} computes"
+        raise ValueError(f"--kv-dtype {args.kv_dtype} stores a float32 model's cache in fewer bytes; {why} in the "
+                         "model's dtype: drop one of them")
+
+
+def stderr_console() -> Any:
+    """A rich console on stderr, where loading progress, notes and speed go (stdout holds the text)."""
+    return require("rich.console", "attnkit generate").Console(stderr=True, highlight=False)
+
+
+def note(console: Any, text: str) -> None:
+    """A dim line on stderr; ``text`` is data, never markup."""
+    escape = require("rich.markup", "attnkit chat").escape
+    console.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True)
+
+
+def load_model(args: argparse.Namespace, console: Any) -> DecoderModel:
+    """Load the model the options name (--model, --gguf, --dtype, --weights, --device) with a progress bar, then
+    say in one line what runs: weights, device, compute and KV cache dtypes, threads."""
+    import torch
+
+    from attnkit.cpu import SlowDtypeWarning
+    from attnkit.models.loader import load_gguf
+    from attnkit.modules.quantize import weight_form
+
+    rich_progress = require("rich.progress", "attnkit generate")
+    path = args.gguf if args.gguf else packaged_path(args.model or "smollm2")
+    with rich_progress.Progress(*rich_progress.Progress.get_default_columns(), console=console, transient=True,
+                                disable=not console.is_terminal) as progress:  # no stray newline in logs
+        task = progress.add_task(f"loading {model_name(args)}", total=None)
+
+        def report(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        cpu = args.device == "cpu"  # a GPU takes plain weights; auto picks by architecture on the CPU
+        asked = args.weights or ("auto" if args.dtype == "float32" and cpu else "float32")
+        with warnings.catch_warnings(record=True) as slow:  # said in one line below, not as Python's warning
+            warnings.simplefilter("always", SlowDtypeWarning)
+            model = load_gguf(path, dtype=getattr(torch, args.dtype), progress=report, weights=asked)
+    model = model if cpu else model.to(args.device)
+    weights = weight_form(model)  # "float32" when nothing was swapped: the weights are then in --dtype
+    weights = args.dtype if weights == "float32" else weights
+    kv = args.kv_dtype if args.kv_dtype != "float32" else args.dtype
+    threads = torch.get_num_threads()
+    note(console, f"{model_name(args)} ({weights} weights, {describe_device(args.device)}): {args.dtype} compute, "
+                   f"{kv} KV cache, {threads} CPU thread{'s' if threads > 1 else ''}")
+    escape = require("rich.markup", "attnkit generate").escape
+    for warning in slow:
+        if issubclass(warning.category, SlowDtypeWarning):
+            if cpu:  # the warning is about the CPU's arithmetic
+                console.print(f"[yellow]warning:[/yellow] {escape(str(warning.message))}", soft_wrap=True)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return model
+
+
+def gguf_tokenizer(model: DecoderModel) -> GGUFTokenizer:
+    """The model's GGUF tokenizer (the one with a chat template); a model without one is a ValueError."""
+    from attnkit.models.tokenizer import GGUFTokenizer
+
+    if not isinstance(model.tokenizer, GGUFTokenizer):
+        raise ValueError("this model has no GGUF tokenizer; load it with attnkit.models.load_gguf()")
+    return model.tokenizer
+
+
+def chat_ids(tokenizer: GGUFTokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The chat prompt's ids (content as plain text); a template that cannot render is a ValueError."""
+    try:
+        return tokenizer.chat_ids(messages)
+    except ValueError:
+        raise
+    except Exception as err:  # jinja2's TemplateSyntaxError, UndefinedError, ...: the file's template is broken
+        jinja2 = sys.modules.get("jinja2.exceptions")
+        if jinja2 is None or not isinstance(err, jinja2.TemplateError):
+            raise
+        where = f" (line {err.lineno})" if getattr(err, "lineno", None) else ""
+        raise ValueError(f"the model file's chat template (tokenizer.chat_template) cannot be rendered: "
+                         f"{type(err).__name__}{where}: {err}") from err
+
+
+def report_speed(console: Any, stats: GenerationStats, *, cached: int = 0, why: str | None = None) -> None:
+    """The speed line; ``cached``: the positions the prompt continued from, ``why``: why it was recomputed."""
+    if cached:
+        prompt = f"prefilled {stats.prompt_tokens} new tokens ({cached} cached)"
+    elif why is not None:
+        prompt = f"recomputed {stats.prompt_tokens} tokens ({why})"
+    else:
+        prompt = f"{stats.prompt_tokens} tokens"
+    note(console, f"prompt: {prompt} in {stats.prefill_seconds:.2f} s ({stats.prefill_tokens_per_s:.1f} tokens/s) "
+                   f"· generation: {stats.new_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s")
+
+
+@dataclass
+class Answer:
+    """One streamed answer: its text, its speed and why it ended."""
+
+    text: str  # what was written to stdout
+    stats: GenerationStats
+    ending: str  # "stop" (the model ended it), "max-new-tokens", "context" (window full) or "interrupted"
+
+
+def stream_answer(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace,
+                  kept: KeptCaches | None = None) -> Answer:
+    """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``).
+
+    ``kept``: the conversation's caches, which ``ids`` continues (its new tokens alone are prefilled).
+    """
+    from contextlib import closing
+
+    import torch
+
+    from attnkit.models.generation import generate_steps
+    from attnkit.models.generation_options import GenerationStats
+    from attnkit.models.sink_caches import SinkSpec
+    from attnkit.models.text import IncrementalDecoder
+
+    endless = SinkSpec.parse(args.cache) is not None  # sink caches: no limit on new tokens
+    room = args.max_new_tokens if endless else model.context_length - len(ids)
+    if room < 1:
+        raise ValueError(f"the prompt has {len(ids)} tokens, no room left in the model's context length "
+                         f"{model.context_length}")
+    budget = min(args.max_new_tokens, room)
+    prompt = torch.tensor([list(ids)], dtype=torch.long, device=args.device)  # (1, T)
+    stats, text, pieces, last = GenerationStats(), IncrementalDecoder(model.decode, ids[-1:]), [], -1
+    try:
+        steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache,
+                               repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                               presence_penalty=args.presence_penalty,
+                               kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype,
+                               compile=args.compile, stats=stats, kept=kept)
+        with closing(steps):  # closed at once, also on Ctrl-C: the kept caches then note what they hold
+            for token in steps:  # (1,)
+                last = int(token[0])
+                pieces.append(write_stdout(text.add(last)))
+        pieces.append(write_stdout(text.flush()))
+    except KeyboardInterrupt:
+        ending = "interrupted"
+    else:
+        stopped = last in model.stop_token_ids or stats.new_tokens < budget
+        ending = "stop" if stopped else "max-new-tokens" if budget == args.max_new_tokens else "context"
+    write_stdout("\n")
+    return Answer("".join(pieces), stats, ending)
+
+
+def write_stdout(piece: str) -> str:
+    """Write ``piece`` to stdout at once (flushed) and return it."""
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+    return piece
+
+
+def tell_ending(console: Any, answer: Answer, args: argparse.Namespace, context: int) -> None:
+    """Say on stderr when an answer was cut (by --max-new-tokens, or a full context) rather than finished."""
+    if answer.ending == "max-new-tokens":
+        note(console, f"(answer cut at --max-new-tokens {args.max_new_tokens})")
+    elif answer.ending == "context":
+        note(console, f"(answer cut: the model's context of {context} tokens is full)")
+
