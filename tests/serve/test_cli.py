@@ -142,7 +142,8 @@ def test_the_shared_options_have_one_help_text_and_one_set_of_choices(capsys: py
 
 
 @pytest.mark.parametrize(("option", "says"), [
-    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--threads", "0"], "--threads must be 1 .. "),
+    (["--threads", "99999"], "more only slows PyTorch down"),
     (["--device", "meta"], "--device meta: expected cpu, cuda or cuda:N, got a meta device"),
     (["--device", "tpu"], "--device 'tpu' is not a device: expected cpu, cuda or cuda:N"),
     (["--cache", "sink:4"], "sink:4"),

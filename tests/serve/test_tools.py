@@ -322,6 +322,7 @@ def test_a_streamed_call_arrives_whole_in_one_delta_with_its_index(scripted: tup
         assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
             (0, "get_weather", {"city": "Paris", "days": 3})]
         assert calls[0]["id"].startswith("call_") and deltas[-1]["finish_reason"] == "tool_calls"
+        assert all(d["delta"] or d["finish_reason"] for d in deltas)  # text held back sends no empty deltas
 
 
 def test_tool_choice_none_offers_no_tools_and_parses_no_calls(scripted: tuple[Any, ToolWords]) -> None:
@@ -409,6 +410,24 @@ def test_a_model_whose_template_offers_no_tools_is_a_400_naming_tools(template: 
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == "tools" and says in error["message"] and "--chat-template-file" in error["message"]
+
+
+def test_earlier_calls_for_a_template_without_tool_support_are_a_400_not_dropped() -> None:
+    """Bug: a history with an assistant's tool_calls and the tool's result, and no ``tools``, rendered as an empty
+    assistant turn: the model never saw the call nor its result, and nothing said so."""
+    fastapi = need("fastapi.testclient")
+    from attnkit.serve.api import Server, create_app
+
+    words = Words()
+    words.chat_template = CHATML  # type: ignore[attr-defined]
+    client = fastapi.TestClient(create_app(Server(_scripted_engine(), words, model_name="tiny", context_length=128)))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": history, "max_tokens": 4})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages[1]" and "no tool support" in error["message"]
 
 
 # -- --chat-template-file -----------------------------------------------------------------------------------------
@@ -520,6 +539,34 @@ def test_a_forced_call_the_grammar_cannot_honour_is_a_400_naming_the_field(clien
         client.chat.completions.create(model="tiny-tools", messages=ASK, max_tokens=8, **fields)
     error = caught.value.body
     assert error["param"] == param and says in error["message"], error
+
+
+# pydantic's (and so the openai client's pydantic_function_tool's) schemas keep nested models under $defs
+NESTED = _tool(name="locate", parameters={
+    "type": "object", "additionalProperties": False, "required": ["place"],
+    "properties": {"place": {"$ref": "#/$defs/Place"}},
+    "$defs": {"Place": {"type": "object", "additionalProperties": False, "required": ["city"],
+                        "properties": {"city": {"enum": ["Paris", "Lyon"]}}}}})
+
+
+def test_a_forced_call_follows_references_to_the_schemas_own_definitions(client: Any) -> None:
+    """Bug: the arguments' schema sat under the call's "arguments", so "#/$defs/Place" pointed at the call's root,
+    where nothing was defined: a 400 for every schema pydantic writes."""
+    reply = client.chat.completions.create(model="tiny-tools", messages=ASK, tools=NESTED, tool_choice="required",
+                                           max_tokens=120, temperature=1.0, seed=2, n=2)
+    for choice in reply.choices:
+        assert choice.message.tool_calls, choice
+        (call,) = choice.message.tool_calls
+        assert json.loads(call.function.arguments)["place"]["city"] in ("Paris", "Lyon")
+
+
+def test_a_function_without_parameters_is_called_with_none(client: Any) -> None:
+    """Bug: a missing ``parameters`` let a forced call's arguments be any object, written until max_tokens."""
+    reply = client.chat.completions.create(model="tiny-tools", messages=ASK, tools=_tool(name="ping"),
+                                           tool_choice="required", max_tokens=60, temperature=1.0, seed=3)
+    (call,) = reply.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("ping", {})
+    assert reply.choices[0].finish_reason == "tool_calls"
 
 
 def test_responses_api_is_a_404_saying_to_use_chat_completions(client: Any) -> None:

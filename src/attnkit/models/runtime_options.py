@@ -9,6 +9,7 @@ only when a function runs.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ BASE_MODELS = ("gemma3",)  # they continue text: no chat template
 MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}  # what the load line calls them
 
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+MAX_THREADS_PER_CORE = 4  # --threads above this many per core is refused (99999 crashed PyTorch's thread pool)
 THREADS_HELP = ("CPU threads PyTorch computes with (default: PyTorch's choice, one per core). Processes that share "
                 "a machine should share its cores: under load, one thread per process (OMP_NUM_THREADS=1) was "
                 "measured 3.2x faster than each process taking every core, so a serving process beside other "
@@ -63,8 +65,11 @@ def check_runtime_options(args: argparse.Namespace) -> None:
 
     from attnkit.models.sink_caches import SinkSpec
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS_PER_CORE * cores:
+        raise ValueError(f"--threads must be 1 .. {MAX_THREADS_PER_CORE * cores} ({MAX_THREADS_PER_CORE} per core of "
+                         f"the {cores} here: more only slows PyTorch down, and tens of thousands crash it), "
+                         f"got {args.threads}")
     SinkSpec.parse(args.cache)  # a malformed --cache is named
     try:
         device = torch.device(args.device)

@@ -137,6 +137,12 @@ def chat_delta(streams: list[CallStream] | None, index: int, text: str, end: boo
 Chunk = Callable[[int, str, str | None, bool, list[Choice]], dict[str, Any]]  # (index, text, reason, first, lps)
 
 
+def _empty(chunk: dict[str, Any]) -> bool:
+    """Whether a chunk carries nothing: no delta (chat) or text (completion), no logprobs, no finish reason."""
+    return all(not choice.get("delta", choice.get("text")) and choice.get("logprobs") is None
+               and choice.get("finish_reason") is None for choice in chunk["choices"])
+
+
 def stream_events(server: Server, parsed: Parsed, make_chunk: Chunk,
                   usage_chunk: Callable[[dict[str, Any]], dict[str, Any]], state: Any) -> AsyncIterator[str]:
     """Submit now (a refusal is still an HTTP error), then stream the request's server-sent events; ``state``
@@ -162,7 +168,9 @@ async def _events(server: Server, parsed: Parsed, seqs: list[Any], queue: asynci
                                       "code": "engine_error"}})
                 break
             if event.text or event.logprobs:
-                yield _sse(make_chunk(index, event.text, None, False, event.logprobs))
+                chunk = make_chunk(index, event.text, None, False, event.logprobs)
+                if not _empty(chunk):  # text a tool call holds back says nothing yet
+                    yield _sse(chunk)
             if event.finish_reason:
                 running.discard(index)
                 yield _sse(make_chunk(index, "", "length" if event.finish_reason == "length" else "stop", False, []))

@@ -156,6 +156,18 @@ class Server:
         except ValueError as err:
             raise bad("tool_choice", f"the grammar of a forced call is not supported: {err}") from err
 
+    def _refuse_lost_calls(self, messages: list[dict[str, Any]]) -> None:
+        """Earlier tool calls or their results, for a template without tool support, are a 400 naming the first
+        message that carries one (such a template renders them as empty turns: the model would never see them)."""
+        for i, message in enumerate(messages):
+            if message.get("tool_calls") or message["role"] == "tool":
+                try:
+                    template_syntax(getattr(self.tokenizer, "chat_template", None))
+                except ValueError as err:
+                    raise bad(f"messages[{i}]", f"carries a tool call or its result, which this model's template "
+                                                f"cannot show the model: {err}") from None
+                return
+
     # -- checking a request ------------------------------------------------------------------------------------
 
     def _params(self, body: Mapping[str, Any], prompt_len: int, source: str, logprobs: int | None
@@ -210,6 +222,7 @@ class Server:
         self._decoder("/v1/chat/completions")
         refuse_other_endpoints_field(body, "prompt", "/v1/completions", "messages")
         plain = chat_messages(body.get("messages"))
+        self._refuse_lost_calls(plain)
         offered, syntax, forced = self._tools(body)
         try:  # content is plain text: no control tokens from it
             prompt = self.tokenizer.chat_ids(plain) if offered is None else self.tokenizer.chat_ids(plain,

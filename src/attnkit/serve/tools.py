@@ -93,13 +93,18 @@ class ToolSyntax:
         rules = [f"start: {json.dumps(self.start + chr(10))} call {json.dumps(chr(10) + self.end)}",
                  "call: " + " | ".join(f"f{i}" for i in range(len(functions)))]
         for i, function in enumerate(functions):
-            schema = {"type": "object", "properties": {"name": {"const": function["name"]},
-                                                       "arguments": function.get("parameters", {})},
-                      "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": LAYOUT}
+            arguments = dict(function.get("parameters") or NO_ARGUMENTS)
+            # definitions move to the call's root, where a "#/$defs/..." reference in the arguments looks
+            defs = {key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments}
+            schema = {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": arguments},
+                      "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": LAYOUT, **defs}
             rules.append(f"f{i}: %json {json.dumps(schema)}")
         return "\n".join(rules)
 
 
+# a function without ``parameters`` takes none: its forced call's arguments are {} (OpenAI's default schema
+# would let them be any object, written until max_tokens)
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 HERMES = ToolSyntax("hermes", "<tool_call>", "</tool_call>")
 SYNTAXES = (HERMES,)
 
