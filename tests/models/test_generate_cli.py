@@ -164,6 +164,7 @@ def test_chat_compiled_answers_as_eager_and_compiles_once(tiny: str, capsys: pyt
         answers.append(out)
     assert answers[1] == answers[0] and counters["stats"]["unique_graphs"] - before == 1
     assert err.count("tokens (--compile's static caches cannot continue) in ") == 2  # turns 2 and 3
+    assert err.count("compiling the decoding step") == 1  # said before the first turn's compile, not again
 
 
 @pytest.mark.parametrize("ending", [EOFError, KeyboardInterrupt])

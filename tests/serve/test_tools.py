@@ -379,6 +379,7 @@ def _tool(**function: Any) -> list[dict[str, Any]]:
      "messages[0].tool_calls[0].function", "expected a string name and arguments"),
     (_with(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role", "expected system, user, assistant"),
     (_with(tool_choice="required"), "tool_choice", "cannot constrain its answers"),  # Words has no token table
+    (_with(parallel_tool_calls="no"), "parallel_tool_calls", "expected true or false, got 'no'"),
 ])
 def test_a_bad_tool_request_is_refused_naming_the_field(scripted: tuple[Any, ToolWords], body: dict[str, Any],
                                                         param: str, says: str) -> None:

@@ -1,6 +1,6 @@
 """Benchmarks: attnkit beside torch.nn.MultiheadAttention, raw SDPA, the textbook and Hugging Face.
 
-    attnkit bench --quick        # under two minutes
+    attnkit bench --quick        # a few minutes (BENCHMARKS.md says how long, on which CPU)
     attnkit bench                # the full suite (see BENCHMARKS.md)
     python -m attnkit.bench      # the same command
 

@@ -63,7 +63,7 @@ PADDED = ["attnkit", "attnkit-padded", "core-auto", "core-auto-padded", "core-sd
 
 
 def quick() -> list[Case]:
-    """A small, representative run: under two minutes on two CPU cores."""
+    """A small, representative run: a few minutes on two CPU cores (round one: under two; 3 min on a shared one)."""
     return (grid(LAYER_RIVALS, ["inference"], [1], [1024])
             + grid(["attnkit", "raw-sdpa", "torch-mha-is-causal", "attnkit-chunked"], ["training"], [1], [1024])
             + grid(["core-auto", "core-chunked"], ["inference"], [1], [2048])

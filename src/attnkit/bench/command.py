@@ -111,7 +111,7 @@ def suite_names() -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``attnkit bench``, added to ``p``."""
     p.add_argument("--quick", dest="suite", action="store_const", const="quick",
-                   help="a small suite that finishes in under two minutes")
+                   help="a small suite: a few minutes on two cores (BENCHMARKS.md)")
     p.add_argument("--suite", choices=suite_names(), default="full",
                    help="full (default), quick, targets (the cases the targets are judged on), padding (causal "
                    "+ key padding beside causal alone), custom (a grid of the lists below), or a row suite")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -166,6 +167,9 @@ class Answer:
     ending: str  # "stop" (the model ended it), "max-new-tokens", "context" (window full) or "interrupted"
 
 
+_COMPILING_SAID: weakref.WeakSet[DecoderModel] = weakref.WeakSet()  # models whose compiling was announced
+
+
 def stream_answer(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace,
                   kept: KeptCaches | None = None) -> Answer:
     """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``).
@@ -187,6 +191,10 @@ def stream_answer(model: DecoderModel, ids: Sequence[int], args: argparse.Namesp
         raise ValueError(f"the prompt has {len(ids)} tokens, no room left in the model's context length "
                          f"{model.context_length}")
     budget = min(args.max_new_tokens, room)
+    if args.compile and model not in _COMPILING_SAID:  # the first answer's first step compiles: say so, once
+        _COMPILING_SAID.add(model)
+        print("compiling the decoding step (about a minute on a CPU the first time; this answer's speed line "
+              "counts it)...", file=sys.stderr, flush=True)
     prompt = torch.tensor([list(ids)], dtype=torch.long, device=args.device)  # (1, T)
     stats, text, pieces, last = GenerationStats(), IncrementalDecoder(model.decode, ids[-1:]), [], -1
     try:

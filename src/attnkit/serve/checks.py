@@ -107,6 +107,8 @@ def refuse_unsupported(body: Mapping[str, Any]) -> None:
             raise bad(name, "is not supported by this server")
     if body.get("best_of", 1) not in (1, None):
         raise bad("best_of", "only 1 is supported")
+    if not isinstance(body.get("parallel_tool_calls", True), bool):  # a forced call is one call whatever it says
+        raise bad("parallel_tool_calls", f"expected true or false, got {body['parallel_tool_calls']!r}")
 
 
 def response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
