@@ -18,6 +18,7 @@ from tests.models._decoder import (
     assert_greedy_tokens_match,
     assert_padded_logits_match,
     byte_alphabet,
+    write_tensors_and_close,
 )
 from tests.models.test_tokenizer_reference import TEXTS
 
@@ -62,15 +63,15 @@ def tiny_weights(arch: str, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_tiny_qwen(path: Path, arch: str, *, pre: str = "qwen2", strings: dict[str, str] | None = None,
-                    drop: tuple[str, ...] = (), key_length: int | None = None, template: str = CHATML
-                    ) -> dict[str, np.ndarray]:
+                    drop: tuple[str, ...] = (), key_length: int | None = None, template: str = CHATML,
+                    context_length: int = 128) -> dict[str, np.ndarray]:
     """Write a tiny Qwen 2 / Qwen 3 GGUF file at ``path`` (metadata as llama.cpp writes it); return its weights."""
     gguf = need("gguf")
     weights = tiny_weights(arch)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {arch}")
     w.add_block_count(SIZES["layers"])
-    w.add_context_length(128)
+    w.add_context_length(context_length)
     w.add_embedding_length(SIZES["d"])
     w.add_feed_forward_length(SIZES["ffn"])
     w.add_head_count(SIZES["heads"])
@@ -92,13 +93,7 @@ def write_tiny_qwen(path: Path, arch: str, *, pre: str = "qwen2", strings: dict[
     w.add_bos_token_id(0)
     w.add_add_bos_token(False)
     w.add_chat_template(template)
-    for name, array in weights.items():
-        if name not in drop:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(w, weights, drop)
     return weights
 
 

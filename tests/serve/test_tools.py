@@ -33,7 +33,7 @@ need("tokenizers")
 hypothesis = need("hypothesis")
 st = need("hypothesis.strategies")
 
-from tests.models.test_qwen import MERGES, TOKENS, tiny_weights  # noqa: E402
+from tests.models.test_qwen import write_tiny_qwen  # noqa: E402
 
 # Qwen 2.5's chat template (as Qwen ships it, its default system prompt shortened)
 QWEN25 = """{%- if tools %}
@@ -181,33 +181,8 @@ def test_the_template_says_whether_and_how_tools_are_offered() -> None:
 
 
 def write_tool_model(path: Path, template: str = QWEN25) -> Path:
-    """A tiny random Qwen 2 GGUF file (test_qwen's weights) with ``template`` and room for a tools prompt."""
-    gguf = need("gguf")
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(2)
-    w.add_context_length(2048)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(96)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3] * 3 + [1] * (len(TOKENS) - 3))
-    w.add_token_merges(MERGES)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_bos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(template)
-    for name, array in tiny_weights("qwen2").items():
-        w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """A tiny random Qwen 2 GGUF file (test_qwen's) with ``template`` and room for a tools prompt."""
+    write_tiny_qwen(path, "qwen2", template=template, context_length=2048)
     return path
 
 

@@ -31,7 +31,14 @@ from attnkit.functional.norm import RMSNorm
 from attnkit.modules import Int8KVCache, KVCache, StaticKVCache
 from attnkit.modules.context import StepContext
 from attnkit.modules.int8_cache import ACTIVATIONS as INT8_ACTIVATIONS
-from attnkit.modules.kv_cache import STORAGE_DTYPES, Cache, check_cache, check_positions, transaction
+from attnkit.modules.kv_cache import (
+    STORAGE_DTYPES,
+    Cache,
+    check_cache,
+    check_narrowing,
+    check_positions,
+    transaction,
+)
 from attnkit.modules.quantize import check_conversion, quantize, resolve_form
 
 from .generation import GenerationMixin, Tokenizer
@@ -153,9 +160,9 @@ class DecoderModel(GenerationMixin, nn.Module):
     def _check_storage(self, dtype: torch.dtype | None) -> None:
         """Keys stored in ``dtype`` must come from layers it can take (the caches' own check, once for all)."""
         keys = cast(nn.Module, self.layers[0].attention).get_buffer("activation").dtype  # every layer's keys' dtype
-        if dtype in STORAGE_DTYPES and keys not in (torch.float32, dtype):
-            raise ValueError(f"a cache with dtype={dtype} stores a float32 layer's keys in fewer bytes, got {keys} "
-                             f"keys: use dtype=None (the layer's dtype) with a {keys} model")
+        if dtype in STORAGE_DTYPES:
+            probe = torch.empty(0, dtype=keys)  # what the layers will hand the caches
+            check_narrowing(dtype, probe, probe)
         if dtype == torch.int8 and keys not in INT8_ACTIVATIONS:
             raise ValueError(f"Int8KVCache takes float32 or bfloat16 keys and values of one dtype, got {keys} "
                              "(the model's dtype)")

@@ -99,6 +99,11 @@ class StaticKVCache(_Ownership):
             for tensor in (self.k, self.v, self.positions):
                 torch._dynamo.mark_static_address(tensor)
 
+    def _after_held(self, k: Tensor) -> Tensor:
+        """The positions (B, T) of k (B, G, T, D) when the caller gives none: right after what each row holds."""
+        at = self.next_positions(k.shape[0], k.shape[2], k.device)
+        return torch.arange(k.shape[2], device=k.device).expand(k.shape[0], -1) if isinstance(at, int) else at
+
     def check(self, k: Tensor, v: Tensor, positions: Tensor | None) -> None:
         """Raise a ValueError for k, v (B, G, T, D) at ``positions`` (B, T; None: after what is held) that this
         cache cannot store: gradients, another shape, dtype or device, a position past the capacity, a repeat."""
@@ -106,9 +111,7 @@ class StaticKVCache(_Ownership):
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise ValueError("StaticKVCache is for inference: call under torch.no_grad() or "
                              "torch.inference_mode(), or use KVCache, which keeps gradients")
-        if positions is None:
-            at = self.next_positions(k.shape[0], k.shape[2], k.device)
-            positions = torch.arange(k.shape[2], device=k.device).expand(k.shape[0], -1) if isinstance(at, int) else at
+        positions = self._after_held(k) if positions is None else positions  # (B, T)
         if self.k is None or self.v is None or self.positions is None:  # empty: the first call allocates
             if not torch.compiler.is_compiling() and int(positions.max()) >= self.capacity:
                 raise ValueError(f"StaticKVCache capacity {self.capacity} exceeded: position {int(positions.max())}")
@@ -135,9 +138,7 @@ class StaticKVCache(_Ownership):
         """
         if self.k is None:
             self._allocate(k, v)
-        if positions is None:
-            at = self.next_positions(k.shape[0], k.shape[2], k.device)
-            positions = torch.arange(k.shape[2], device=k.device).expand(k.shape[0], -1) if isinstance(at, int) else at
+        positions = self._after_held(k) if positions is None else positions  # (B, T)
         assert self.k is not None and self.v is not None and self.positions is not None
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
         spare = self.k.shape[2] - 1  # = capacity, read from the storage: one compiled graph serves every capacity
