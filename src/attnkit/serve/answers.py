@@ -26,7 +26,11 @@ from .tools import CallStream, call_id
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     """OpenAI's usage: ``cached`` of the prompt's tokens came from the prefix cache (not computed again); the
-    completion counts every token sampled, a stop id included, as the engine's metrics do."""
+    completion counts every token sampled, a stop id included, as the engine's metrics do.
+
+    With n choices the prompt counts once, as OpenAI counts it, and so does ``cached``: the first choice's hits, what
+    the cache held before the request. The other choices share the first one's blocks (the one prefill); counting
+    those as hits would report more cached tokens than the prompt has."""
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 

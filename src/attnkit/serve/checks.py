@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from attnkit.models.generation_options import MAX_LOGPROBS, check_logit_bias
+from attnkit.models.generation_options import MAX_LOGIT_BIAS, MAX_LOGPROBS, check_logit_bias
 
 from .tools import arguments_object, valid_name
 
@@ -222,11 +222,52 @@ def route_error(request: Any, status: int, detail: Any, headers: Mapping[str, st
 
 def logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
     """``logit_bias``: {token id (a decimal string, JSON's key) -> bias in [-100, 100]}, at most 300 ids; None when
-    absent or empty. Whether each id is in the vocabulary is the server's to say (it knows the model)."""
-    try:
-        return check_logit_bias(body.get("logit_bias"))
-    except ValueError as err:
-        raise bad("logit_bias", str(err)) from None
+    absent or empty. Whether each id is in the vocabulary is the server's to say (it knows the model). A refusal
+    names the offending key or bias and what is expected, in JSON's terms."""
+    given = body.get("logit_bias")
+    expected = "a map of token ids (decimal strings) to biases in [-100, 100]"
+    if given is not None and not isinstance(given, dict):
+        raise bad("logit_bias", f"expected {expected}, got {json.dumps(given)[:80]}")
+    if given is not None and len(given) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"names {len(given)} token ids; at most {MAX_LOGIT_BIAS} are allowed")
+    for key, bias in (given or {}).items():
+        if not (key.isascii() and key.isdecimal()):
+            raise bad("logit_bias", f"key {json.dumps(key)[:80]} is not a token id; expected {expected}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad("logit_bias", f"token {key} has the bias {json.dumps(bias)[:80]}; expected a number in "
+                                    "[-100, 100]")
+    return check_logit_bias(given)
+
+
+def refuse_control_tokens(body: Mapping[str, Any], specials: Sequence[str], *, tools: bool) -> None:
+    """A 400 naming the first field (its whole path: ``tools[1].function.description``) that the chat template
+    gets besides messages' content and that spells a control token (``specials``): the tools (when ``tools``: they
+    are offered) and earlier assistant messages' tool calls. Content is encoded as plain text around the
+    template's markup; these fields cannot be, and a control token in them would forge a turn."""
+    fields = [("tools", body["tools"])] if tools else []
+    for i, message in enumerate(body.get("messages") or []):  # already checked by chat_messages
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            fields.append((f"messages[{i}].tool_calls", message["tool_calls"]))
+    for where, value in fields:
+        text = json.dumps(value, ensure_ascii=False)
+        if any(token in text for token in specials):  # then find where, field by field
+            path, token = _spelling(value, specials, where) or (where, next(t for t in specials if t in text))
+            raise bad(path, f"spells the control token {token!r}, which only the chat template's own markup may "
+                            "write (only message content is encoded as plain text)")
+
+
+def _spelling(value: Any, specials: Sequence[str], where: str) -> tuple[str, str] | None:
+    """(the path of the first string, key or value, in ``value`` that spells one of ``specials``, that token)."""
+    if isinstance(value, str):
+        token = next((t for t in specials if t in value), None)
+        return None if token is None else (where, token)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        path = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
+        found = (_spelling(key, specials, path) if isinstance(key, str) else None) or _spelling(item, specials, path)
+        if found is not None:
+            return found
+    return None
 
 
 def offered_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -250,11 +291,18 @@ def offered_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def _tool(i: int, tool: Any) -> dict[str, Any]:
+    """``tools[i]`` checked; a refusal names the innermost field at fault (``tools[1].function.name``)."""
     where = f"tools[{i}]"
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+    if not isinstance(tool, dict):
         raise bad(where, f"expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got "
                          f"{json.dumps(tool)[:80]}")
-    function = tool["function"]
+    if tool.get("type") != "function":
+        raise bad(f"{where}.type", f"expected \"function\" (the only type of tool served), got "
+                                   f"{json.dumps(tool.get('type'))[:80]}")
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise bad(f"{where}.function", f"expected {{\"name\": ..., \"description\": ..., \"parameters\": {{...}}}}, "
+                                       f"got {json.dumps(function)[:80]}")
     extra = sorted(set(function) - {"name", "description", "parameters", "strict"})
     if extra:
         raise bad(f"{where}.function", f"unknown field {extra[0]!r}; expected name, description, parameters, strict")
@@ -263,6 +311,8 @@ def _tool(i: int, tool: Any) -> dict[str, Any]:
                                             f"{json.dumps(function.get('name'))[:80]}")
     if not isinstance(function.get("description", ""), str):
         raise bad(f"{where}.function.description", "expected a string")
+    if not isinstance(function.get("strict", False), (bool, type(None))):
+        raise bad(f"{where}.function.strict", f"expected true or false, got {json.dumps(function['strict'])[:80]}")
     parameters = function.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
         raise bad(f"{where}.function.parameters", f"expected a JSON Schema of an object ({{\"type\": \"object\", "

@@ -34,6 +34,7 @@ from .checks import (
     no_such_model,
     offered_tools,
     penalties,
+    refuse_control_tokens,
     refuse_other_endpoints_field,
     refuse_unsupported,
     response_format,
@@ -131,7 +132,8 @@ class Server:
     def _tools(self, body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolSyntax | None, str | None]:
         """(the tools the template offers, the syntax the answers' calls are parsed in, the grammar a forced call
         decodes under): all None without tools or with tool_choice "none" (no tool is offered, none can be
-        called). A template without tool support is a 400 naming ``tools``."""
+        called). A template without tool support is a 400 naming ``tools``. ``parallel_tool_calls: false`` keeps
+        an answer's first call only (the others are dropped as it is parsed; a forced call is one call anyway)."""
         offered = offered_tools(body)
         mode, name = chosen_tool(body, offered)
         if offered is None or mode == "none":
@@ -140,6 +142,8 @@ class Server:
             syntax = template_syntax(getattr(self.tokenizer, "chat_template", None))
         except ValueError as err:
             raise bad("tools", str(err)) from None
+        if body.get("parallel_tool_calls") is False:
+            syntax = replace(syntax, parallel=False)
         if mode == "auto":
             return offered, syntax, None
         schemas = self._schemas_for("tool_choice", "tool_choice \"auto\"")
@@ -224,6 +228,7 @@ class Server:
         plain = chat_messages(body.get("messages"))
         self._refuse_lost_calls(plain)
         offered, syntax, forced = self._tools(body)
+        refuse_control_tokens(body, getattr(self.tokenizer, "specials", ()), tools=offered is not None)
         try:  # content is plain text: no control tokens from it
             prompt = self.tokenizer.chat_ids(plain) if offered is None else self.tokenizer.chat_ids(plain,
                                                                                                      tools=offered)

@@ -13,7 +13,16 @@ templates teach::
 splits an answer into its content and its calls, :class:`CallStream` does so piece by piece as the answer streams,
 and :meth:`ToolSyntax.grammar` is the lark grammar (llguidance's, each function's arguments an embedded JSON
 Schema) whose every sentence is exactly one call of one of the functions given: what tool_choice "required" or a
-named function decodes under. A block whose JSON does not parse, or has no name, stays text in the content.
+named function decodes under.
+
+A call is the start tag, then (after whitespace) a JSON object read to its end by
+:meth:`json.JSONDecoder.raw_decode`, not up to the first end tag, so an argument that spells either tag stays
+inside its string; then the end tag, when it follows. A start tag followed by anything but an object (a sentence
+that mentions it), or by an object that is not JSON or has no name, is text in the content, said as soon as that is
+clear (streamed: when the word after the tag arrives, or the object closes). Qwen 2.5's template shows each call
+on lines of its own, but a call after text on the same line ("Let me check. <tool_call>") is still a call, as
+vLLM's Hermes parser takes it: what makes a call is the object after the tag, not where the tag stands. With
+``parallel_tool_calls: false`` only an answer's first call is kept (:attr:`ToolSyntax.parallel`).
 
 Content around calls loses the whitespace next to a call and at its ends, streamed or not, so both give the
 same content (None when only calls remain).
@@ -53,11 +62,15 @@ def call_id() -> str:
 
 @dataclass(frozen=True)
 class ToolSyntax:
-    """A tool-call syntax: a call is ``start`` + ``{"name": ..., "arguments": {...}}`` + ``end``."""
+    """A tool-call syntax: a call is ``start`` + ``{"name": ..., "arguments": {...}}`` + ``end``.
+
+    ``parallel``: False when an answer may make only one call (OpenAI's ``parallel_tool_calls: false``): the first
+    call is parsed, every later one dropped (neither a call nor content)."""
 
     name: str
     start: str
     end: str
+    parallel: bool = True
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole answer: the text outside the calls (None if nothing is left), the calls."""
@@ -66,12 +79,8 @@ class ToolSyntax:
         rest, more = stream.close()
         return (content + rest) or None, calls + more
 
-    def call(self, body: str) -> ToolCall | None:
-        """The call a block's inside spells (``{"name", "arguments"}``), or None when it spells none."""
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
+    def call(self, value: Any) -> ToolCall | None:
+        """The call a JSON value after a start tag spells (``{"name", "arguments"}``), or None when it spells none."""
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
             return None
         arguments = value.get("arguments", value.get("parameters", {}))
@@ -129,13 +138,16 @@ def template_syntax(template: str | None) -> ToolSyntax:
 @dataclass
 class CallStream:
     """An answer's text split into content and calls as it streams: :meth:`feed` each piece, :meth:`close` at the
-    end. Text that may start a call (a prefix of ``syntax.start``) and whitespace that may precede one are held
-    back until the next piece says what they are."""
+    end. Held back until the next piece says what they are: text that may start a start tag, whitespace that may
+    precede a call, and what follows a start tag until it is clearly a call (its JSON object has closed and
+    parsed) or clearly not one (something other than an object follows the tag, or the object closed but does not
+    spell a call). A mention of the tag in a sentence is said as soon as the next word follows it."""
 
     syntax: ToolSyntax
-    calls: int = 0  # calls found so far
-    _buffer: str = ""  # text not yet said: a possible start, or a call's inside
-    _inside: bool = False  # the buffer is a call's inside (after its start)
+    calls: int = 0  # calls said so far
+    _buffer: str = ""  # text not yet said: a possible start tag, or what follows a start tag
+    _inside: bool = False  # the buffer follows a start tag
+    _object: _ObjectEnd | None = None  # the JSON object after the start tag, once its "{" arrived
     _space: str = ""  # whitespace held back after content: said only when more content follows
     _fresh: bool = True  # at the answer's start or just after a call: leading whitespace is dropped
     _found: list[ToolCall] = field(default_factory=list)
@@ -143,50 +155,78 @@ class CallStream:
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) this piece completes."""
         self._buffer += text
+        return self._said(self._run(final=False))
+
+    def close(self) -> tuple[str, list[ToolCall]]:
+        """(content, calls) left at the answer's end: a last call whose object is whole is a call even without its
+        end tag; an object cut short is text."""
+        out = self._run(final=True)
+        self._space = ""
+        return self._said(out)
+
+    def _run(self, *, final: bool) -> list[str]:
         out: list[str] = []
         while True:
             if self._inside:
-                end = self._buffer.find(self.syntax.end)
-                if end < 0:
+                if not self._after_start(out, final=final):
                     break
-                self._block(self._buffer[:end], out, closed=True)
-                self._buffer = self._buffer[end + len(self.syntax.end):]
                 continue
             start = self._buffer.find(self.syntax.start)
             if start < 0:
-                keep = _partial_suffix(self._buffer, self.syntax.start)
+                keep = 0 if final else _partial_suffix(self._buffer, self.syntax.start)
                 self._text(self._buffer[: len(self._buffer) - keep], out)
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 break
             self._text(self._buffer[:start], out)  # the whitespace before it is held: dropped if it is a call
-            self._inside = True
+            self._inside, self._object = True, None
             self._buffer = self._buffer[start + len(self.syntax.start):]
-        return self._said(out)
+        return out
 
-    def close(self) -> tuple[str, list[ToolCall]]:
-        """(content, calls) left at the answer's end: an unclosed last call that parses is a call."""
-        out: list[str] = []
-        if self._inside:
-            self._inside = False
-            self._block(self._buffer, out, closed=False)
-        else:
-            self._text(self._buffer, out)
-        self._buffer, self._space = "", ""
-        return self._said(out)
+    def _after_start(self, out: list[str], *, final: bool) -> bool:
+        """Settle what follows a start tag, if it can be settled yet (False: wait for more). A call is the tag, a
+        JSON object that spells one (its end found by :func:`json.JSONDecoder.raw_decode`, so a tag inside one of
+        its strings is just text), then the end tag if it follows; otherwise the tag is text."""
+        body = self._buffer
+        if self._object is None:
+            opening = len(body) - len(body.lstrip())
+            if opening == len(body):  # nothing but whitespace after the tag yet
+                return self._not_a_call(len(body), out) if final else False
+            if body[opening] != "{":
+                return self._not_a_call(0, out)
+            self._object = _ObjectEnd(opening)
+        closed = self._object.find(body)
+        if closed is None:  # the object is still open
+            return self._not_a_call(len(body), out) if final else False
+        try:
+            value, end = _DECODER.raw_decode(body, self._object.opening)
+        except (ValueError, RecursionError):  # closed, but not JSON (or nested past what json reads)
+            value, end = None, closed
+        call = self.syntax.call(value)
+        if call is None:  # the tag and the object are text, as written
+            return self._not_a_call(end, out)
+        after = body[end:].lstrip()
+        if self.syntax.end.startswith(after) and len(after) < len(self.syntax.end):  # the end tag may follow
+            if not final:
+                return False
+            end = len(body)  # at the answer's end: whitespace or a cut end tag, the call's own
+        elif after.startswith(self.syntax.end):
+            end = len(body) - len(after) + len(self.syntax.end)
+        self._buffer, self._inside, self._object = body[end:], False, None
+        self._fresh, self._space = True, ""
+        if self.syntax.parallel or self.calls == 0:
+            self.calls += 1
+            self._found.append(call)
+        return True
+
+    def _not_a_call(self, taken: int, out: list[str]) -> bool:
+        """The start tag and the first ``taken`` characters after it are text; scanning goes on after them."""
+        self._text(self.syntax.start + self._buffer[:taken], out)
+        self._buffer, self._inside, self._object = self._buffer[taken:], False, None
+        return True
 
     def _said(self, out: list[str]) -> tuple[str, list[ToolCall]]:
         found, self._found = self._found, []
         return "".join(out), found
-
-    def _block(self, body: str, out: list[str], *, closed: bool) -> None:
-        call = self.syntax.call(body.strip())
-        if call is None:  # not a call: the block is text, as written
-            self._inside = False
-            self._text(self.syntax.start + body + (self.syntax.end if closed else ""), out)
-            return
-        self._inside, self._fresh, self._space = False, True, ""
-        self.calls += 1
-        self._found.append(call)
 
     def _text(self, text: str, out: list[str]) -> None:
         """Say ``text`` as content, less the whitespace next to a call or the answer's ends."""
@@ -200,6 +240,41 @@ class CallStream:
             out.append(self._space + body)
             self._space = ""
         self._space += text[len(body):]
+
+
+@dataclass
+class _ObjectEnd:
+    """Where a JSON object that starts at ``opening`` closes, found as its text arrives: brackets matched outside
+    strings, each string's escapes skipped; a bracket that closes the wrong one ends it too (broken). It says
+    nothing of whether the text between is JSON (raw_decode does): it says when to stop waiting for more."""
+
+    opening: int
+    end: int | None = None  # just after the closing bracket, once seen
+    _seen: int = -1  # where the scan goes on (past an escaped character when a piece ended on a backslash)
+    _closers: list[str] = field(default_factory=list)  # the bracket each open one needs, innermost last
+    _in_string: bool = False
+
+    def find(self, text: str) -> int | None:
+        """The object's end in ``text`` (which only grows between calls), or None while it is still open."""
+        pos = self.opening if self._seen < 0 else self._seen
+        while self.end is None and (found := _STRUCTURE.search(text, pos)) is not None:
+            mark, pos = found.group(), found.end()
+            if mark == "\\":
+                pos += 1  # the escaped character means nothing here
+            elif mark == '"':
+                self._in_string = not self._in_string
+            elif self._in_string:
+                continue
+            elif mark in "{[":
+                self._closers.append("}" if mark == "{" else "]")
+            elif self._closers.pop() != mark or not self._closers:
+                self.end = pos
+        self._seen = pos if self.end is not None else max(pos, len(text))
+        return self.end
+
+
+_STRUCTURE = re.compile(r'[{}\[\]"\\]')
+_DECODER = json.JSONDecoder()
 
 
 def _partial_suffix(text: str, marker: str) -> int:
