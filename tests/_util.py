@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,3 +47,28 @@ CHROMIUM = "/usr/bin/chromium"  # Debian's, which scripts/browser.sh installs
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
                   "--disable-default-apps", "--disable-extensions"]
+
+
+@contextlib.contextmanager
+def one_gguf_parse() -> Iterator[None]:
+    """transformers parses a GGUF file's metadata once inside this block, not once per ``from_pretrained``.
+
+    Loading a model from a GGUF file, transformers builds a ``gguf.GGUFReader`` for the config, another for the
+    weights and a third for the tokenizer; each walks the whole vocabulary in Python (Gemma 3's 262,144 tokens:
+    about 35 s each on 2 cores). The readers only read, so one per path serves every load.
+    """
+    gguf = need("gguf")
+    readers: dict[str, Any] = {}
+    original = gguf.GGUFReader
+
+    def reader(path: str | os.PathLike[str]) -> Any:
+        key = os.fspath(path)
+        if key not in readers:
+            readers[key] = original(key)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # transformers imports it from gguf inside load_gguf_checkpoint, at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original

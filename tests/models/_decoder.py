@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests._util import need
+from tests._util import need, one_gguf_parse
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "Ġ s"]
@@ -134,9 +134,10 @@ def hf_smollm2() -> tuple[Any, Any]:
     need("accelerate")
     import torch
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with one_gguf_parse():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tokenizer
 
 

@@ -13,13 +13,14 @@ on 2 cores), so is attnkit's, and transformers runs the long prompt once.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests._util import need
+from tests._util import need, one_gguf_parse
 
 # Five paragraphs of plain prose, 572 tokens with BOS: past the 512-token window of the local layers, so that
 # their last 60 queries no longer see the start while the global layers still do.
@@ -78,6 +79,13 @@ def need_gemma3() -> Path:
         if os.environ.get("CI") == "true":
             raise AssertionError(str(err)) from err
         pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers' model and tokenizer read the file's metadata once between them (:func:`one_gguf_parse`)."""
+    with one_gguf_parse():
+        yield
 
 
 @pytest.fixture(scope="module")
