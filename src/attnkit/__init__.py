@@ -11,8 +11,11 @@
 - :mod:`attnkit.textbook`: the chapter "Coding attention mechanisms" as code.
 - :mod:`attnkit.inspect`: walkthroughs, heatmaps, an interactive page.
 - :mod:`attnkit.models`: pretrained models rebuilt on attnkit (MiniLM).
+- :class:`MissingDependencyError`: the ImportError of a feature whose optional
+  package is missing; its message is the command that installs it.
 """
 
+from ._optional import MissingDependencyError
 from .backends import attention
 from .functional import RotaryEmbedding
 from .inspect import trace
@@ -21,7 +24,7 @@ from .modules import (
     Heads,
     KVCache,
     MultiHeadAttention,
-    SinkCache,
+    SinkWindow,
     StaticKVCache,
     from_textbook,
     from_torch,
@@ -30,7 +33,8 @@ from .modules import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CrossAttention", "Heads", "KVCache", "MultiHeadAttention", "RotaryEmbedding", "SinkCache", "StaticKVCache",
+    "CrossAttention", "Heads", "KVCache", "MissingDependencyError", "MultiHeadAttention", "RotaryEmbedding",
+    "SinkWindow", "StaticKVCache",
     "attention", "from_textbook", "from_torch",
     "trace",
 ]

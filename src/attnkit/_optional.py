@@ -22,6 +22,7 @@ _EXTRAS = {
     "fastapi": ("fastapi", "serve"),
     "uvicorn": ("uvicorn", "serve"),
     "starlette": ("starlette", "serve"),
+    "llguidance": ("llguidance", "serve"),
     "httpx": ("httpx", "dev"),
     "openai": ("openai", "dev"),
 }

@@ -124,7 +124,7 @@ def test_crop_rewinds_to_an_earlier_position():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from attnkit.modules.kv_cache import CachedKeys  # noqa: E402
+from attnkit.modules.cache_protocol import CachedKeys  # noqa: E402
 from attnkit.modules.static_cache import StaticKVCache  # noqa: E402
 
 

@@ -133,11 +133,11 @@ def test_a_bad_bias_is_a_400_naming_logit_bias_once(client: Any, bias: Any, says
 
 
 def test_a_real_server_honours_logit_bias_through_the_openai_client(tmp_path: Path) -> None:
-    """The tiny Qwen 2 file of test_tools (its token 3 + b is byte b): +100 on "x" makes every token "x"."""
+    """The tiny Qwen 2 file of the tool tests (its token 3 + b is byte b): +100 on "x" makes every token "x"."""
     need("uvicorn")
     openai = need("openai")
     from attnkit.bench.serve import ServerProcess
-    from tests.serve.test_tools import ASK, write_tool_model
+    from tests.serve._tools import ASK, write_tool_model
 
     path = write_tool_model(tmp_path / "tiny-bias.gguf")
     process = ServerProcess.attnkit("--gguf", str(path), "--kv-memory", "4", threads=1, log=tmp_path / "server.log")

@@ -1,6 +1,6 @@
 """Attention over int8 keys and values with PyTorch's int8 weight kernel (``torch._weight_int8pack_mm``).
 
-The storage is :class:`attnkit.modules.int8_cache.Int8KVCache`'s: keys as int8
+The storage is :class:`attnkit.modules.int8_storage.Int8Storage`'s: keys as int8
 codes (B, G, S, D) with one bfloat16 scale per (row, head, position); values
 transposed, (B, G, Dv, C) codes over the whole allocation of C >= S positions,
 with one float32 scale per position that multiplies the probabilities first:

@@ -117,7 +117,7 @@ class GenerateSuite:
         compiled: weight forms also run with the compiled decoding step (``generate(compile=True)``), each a
             contender ``attnkit-<form>-compiled`` (its compilation falls in the warm-up rounds).
         kv_int8: weight forms also run over the int8 KV cache (``generate(kv_dtype="int8")``,
-            :mod:`attnkit.modules.int8_cache`), each a contender ``attnkit-<form>-kv8`` (CPU only).
+            :mod:`attnkit.modules.int8_storage`), each a contender ``attnkit-<form>-kv8`` (CPU only).
         device: "cpu", or "cuda" / "cuda:N": attnkit and transformers on that GPU.
         dtype: the activation dtype: "float32" on the CPU (the weight forms choose the rest); on CUDA one of
             :data:`GPU_DTYPES`.

@@ -28,10 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from attnkit.functional.norm import RMSNorm
-from attnkit.modules import Int8KVCache, KVCache, StaticKVCache
-from attnkit.modules.context import StepContext
-from attnkit.modules.int8_cache import ACTIVATIONS as INT8_ACTIVATIONS
-from attnkit.modules.kv_cache import (
+from attnkit.modules import KVCache, StaticKVCache
+from attnkit.modules.cache_protocol import (
     STORAGE_DTYPES,
     Cache,
     check_cache,
@@ -39,6 +37,8 @@ from attnkit.modules.kv_cache import (
     check_positions,
     transaction,
 )
+from attnkit.modules.context import StepContext
+from attnkit.modules.int8_storage import ACTIVATIONS as INT8_ACTIVATIONS
 from attnkit.modules.quantize import check_conversion, quantize, resolve_form
 
 from .generation import GenerationMixin, Tokenizer
@@ -141,16 +141,14 @@ class DecoderModel(GenerationMixin, nn.Module):
         """One empty cache per layer: a growing :class:`attnkit.KVCache` (up to ``capacity`` positions,
         or unbounded), or with ``static`` a :class:`attnkit.StaticKVCache` of ``capacity`` slots; ``dtype``:
         the dtype they store keys and values in (None: the model's; bfloat16 / float16: half the bytes;
-        int8: :class:`attnkit.modules.int8_cache.Int8KVCache`, growing only)."""
+        int8: int8 codes read by an int8 kernel, :mod:`attnkit.modules.int8_storage`, growing only)."""
         if dtype is not None and dtype not in (*STORAGE_DTYPES, torch.int8):
             raise ValueError(f"new_caches stores keys and values in None (the model's dtype), "
                              f"{', '.join(map(str, STORAGE_DTYPES))} or torch.int8, got dtype={dtype!r}")
         self._check_storage(dtype)
-        if dtype == torch.int8:
-            if static:
-                raise ValueError("an int8 cache grows (Int8KVCache): there is no static one; use static=False, or "
-                                 "dtype None, bfloat16 or float16 with static=True")
-            return [Int8KVCache(capacity) for _ in self.layers]
+        if dtype == torch.int8 and static:
+            raise ValueError("an int8 cache grows (KVCache(dtype=torch.int8)): there is no static one; use "
+                             "static=False, or dtype None, bfloat16 or float16 with static=True")
         if static:
             if capacity is None:
                 raise ValueError("a static cache needs a capacity (positions 0 .. capacity - 1)")
@@ -164,8 +162,8 @@ class DecoderModel(GenerationMixin, nn.Module):
             probe = torch.empty(0, dtype=keys)  # what the layers will hand the caches
             check_narrowing(dtype, probe, probe)
         if dtype == torch.int8 and keys not in INT8_ACTIVATIONS:
-            raise ValueError(f"Int8KVCache takes float32 or bfloat16 keys and values of one dtype, got {keys} "
-                             "(the model's dtype)")
+            raise ValueError(f"KVCache(dtype=torch.int8) takes float32 or bfloat16 keys and values of one dtype, "
+                             f"got {keys} (the model's dtype)")
 
     def _hidden(self, input_ids: Tensor, context: StepContext, kv_caches: Sequence[Cache | None]) -> Tensor:
         x = self.embed_tokens(input_ids)  # (B, T) -> (B, T, C)

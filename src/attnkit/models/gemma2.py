@@ -38,8 +38,8 @@ from torch import Tensor, nn
 from attnkit.functional import RotaryEmbedding
 from attnkit.functional.modifiers import softcap
 from attnkit.modules import MultiHeadAttention
+from attnkit.modules.cache_protocol import Cache
 from attnkit.modules.heads import Heads
-from attnkit.modules.kv_cache import Cache
 
 from .gemma3 import Gemma3Config, GemmaDecoder, SandwichBlock, gemma3_block
 from .gguf import metadata_float, metadata_int

@@ -53,9 +53,9 @@ from attnkit._optional import GEMMA3_PACKAGES, MissingDependencyError, install_h
 from attnkit.functional import RotaryEmbedding
 from attnkit.functional.norm import QKNorm, RMSNorm
 from attnkit.modules import MultiHeadAttention
+from attnkit.modules.cache_protocol import Cache
 from attnkit.modules.context import StepContext
 from attnkit.modules.heads import Heads
-from attnkit.modules.kv_cache import Cache
 
 from .decoder import DecoderModel, GatedMLP
 from .generation import Tokenizer

@@ -15,10 +15,9 @@ after storing ``input_ids`` in the caches. The loop then
    the whole batch when every row has stopped.
 
 The caches are the model's (``new_caches``: growing, or static under
-``compile``), or with ``cache="sink:SINKS,WINDOW"`` one
-:class:`attnkit.modules.sink_cache.SinkCache` per layer (:mod:`.streaming`): constant memory,
-as many new tokens as asked for (past the context length), the prompt fed in
-pieces that keep the cache's bound.
+``compile``), or with ``cache="sink:SINKS,WINDOW"`` one ``KVCache(eviction=SinkWindow(...))``
+per layer (:mod:`.sink_caches`): constant memory, as many new tokens as asked
+for (past the context length), the prompt fed in pieces that keep the cache's bound.
 
 A conversation keeps its caches between runs (:class:`KeptCaches`): the
 next prompt, which starts with the tokens they hold, prefills only its new
@@ -45,7 +44,8 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
-from attnkit.modules.kv_cache import Cache, KVCache
+from attnkit.modules.cache_protocol import Cache
+from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.static_cache import StaticKVCache
 
 from .generation_options import (
@@ -174,7 +174,7 @@ class KeptCaches:
 def _held(caches: Sequence[Cache]) -> list[int]:
     """The positions each kept cache holds; one that cannot say so, or be cropped, is a TypeError."""
     if not all(hasattr(c, "__len__") and callable(getattr(c, "crop", None)) for c in caches):
-        raise TypeError("kept caches must be growing caches (len() and crop(): KVCache, Int8KVCache), got "
+        raise TypeError("kept caches must be growing caches (len() and crop(): KVCache), got "
                         f"{', '.join(sorted({type(c).__name__ for c in caches}))}")
     return [len(cast(Sized, c)) for c in caches]
 

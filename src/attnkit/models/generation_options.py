@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from attnkit.modules.kv_cache import Cache, check_storage_dtype
+from attnkit.modules.cache_protocol import Cache, check_storage_dtype
 
 from .sampling import Penalties, Sampler
 from .sink_caches import SinkSpec
@@ -120,7 +120,7 @@ class GenerationOptions:
             (or their names) under a float32 model: half the bytes per cached
             position, so twice the context fits; attention reads float32
             copies of the rounded keys and values (not faster: BENCHMARKS.md).
-            ``"int8"`` (:class:`attnkit.modules.int8_cache.Int8KVCache`): a
+            ``"int8"`` (``KVCache(dtype=torch.int8)``: :mod:`attnkit.modules.int8_storage`): a
             quarter of the bytes, and decoding reads them with an int8
             kernel (faster at long contexts, slower at short ones; 96.1% of
             SmolLM2's greedy choices: opt-in; not with ``compile``).
@@ -169,7 +169,7 @@ class GenerationOptions:
                              "window in the model's dtype: use one or the other")
         if self.kv_dtype is torch.int8 and self.compile:
             raise ValueError("compile=True runs over static caches, and kv_dtype='int8' is a growing cache "
-                             "(Int8KVCache): use one or the other")
+                             "(KVCache(dtype=torch.int8)): use one or the other")
         if self.sink is not None and self.compile:
             raise ValueError(f"compile=True runs over static caches, and cache={self.cache!r} is not one (its "
                              "evictions change the shapes): use one or the other")
@@ -217,7 +217,8 @@ _KV_NAMES = ("bfloat16", "float16", "int8")  # the storage dtypes kv_dtype may n
 def kv_storage(kv_dtype: object) -> torch.dtype | None:
     """A cache storage dtype from a dtype or its name ("bfloat16", "float16", "int8"); None = the model's own.
 
-    int8 is :class:`attnkit.modules.int8_cache.Int8KVCache` (codes and scales, read by an int8 kernel).
+    int8 is ``KVCache(dtype=torch.int8)`` (codes and scales, read by an int8 kernel:
+    :mod:`attnkit.modules.int8_storage`).
     """
     named = getattr(torch, kv_dtype, None) if isinstance(kv_dtype, str) and kv_dtype in _KV_NAMES else kv_dtype
     if named is torch.int8:

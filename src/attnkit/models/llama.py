@@ -36,9 +36,9 @@ from torch import Tensor, nn
 from attnkit.functional import RotaryEmbedding
 from attnkit.functional.norm import RMSNorm
 from attnkit.modules import MultiHeadAttention
+from attnkit.modules.cache_protocol import Cache
 from attnkit.modules.context import StepContext
 from attnkit.modules.heads import Heads
-from attnkit.modules.kv_cache import Cache
 
 from .decoder import DecoderModel, GatedMLP
 from .generation import Tokenizer

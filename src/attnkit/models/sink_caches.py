@@ -1,8 +1,8 @@
-"""Constant-memory generation: one :class:`attnkit.SinkCache` per attention layer of a decoder.
+"""Constant-memory generation: one ``KVCache(eviction=SinkWindow(...))`` per attention layer of a decoder.
 
 ``generate(..., cache="sink:4,1020")`` (or ``attnkit generate --cache sink:4,1020``)
 names the caches with a :class:`SinkSpec`; :func:`sink_caches` builds them, each
-with its own layer's rotary embedding (so Gemma 3's two kinds work too).
+with a :class:`attnkit.SinkWindow` of its own layer's rotary embedding (so Gemma 3's two kinds work too).
 """
 
 from __future__ import annotations
@@ -10,20 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from attnkit.modules.kv_cache import Cache
-from attnkit.modules.sink_cache import SinkCache
+from attnkit.modules.cache_protocol import Cache
+from attnkit.modules.kv_cache import KVCache
+from attnkit.modules.sink_window import SinkWindow
 
 
 @dataclass(frozen=True)
 class SinkSpec:
-    """``cache="sink:SINKS,WINDOW[,CHUNK]"``: one :class:`SinkCache` per attention layer (see its arguments)."""
+    """``cache="sink:SINKS,WINDOW[,CHUNK]"``: one KVCache per attention layer, evicting by a :class:`SinkWindow`
+    (see its arguments)."""
 
     sinks: int
     window: int
     chunk: int = 64
 
     def __post_init__(self) -> None:
-        SinkCache(sinks=self.sinks, window=self.window, chunk=self.chunk, rope=None)  # raises naming a bad count
+        SinkWindow(sinks=self.sinks, window=self.window, chunk=self.chunk, rope=None)  # raises naming a bad count
 
     @classmethod
     def parse(cls, cache: object) -> SinkSpec | None:
@@ -41,11 +43,12 @@ class SinkSpec:
 
     @property
     def capacity(self) -> int:
-        """The most positions a cache holds (:attr:`SinkCache.capacity`)."""
+        """The most positions a cache holds (:attr:`SinkWindow.capacity`)."""
         return self.sinks + self.window + self.chunk - 1
 
     def caches(self, model: object) -> list[Cache]:
-        """One SinkCache per attention layer of ``model`` (its blocks' ``attention``), with that layer's rope."""
+        """One KVCache per attention layer of ``model`` (its blocks' ``attention``), evicting with that layer's
+        rope."""
         return sink_caches(model, sinks=self.sinks, window=self.window, chunk=self.chunk)
 
     def pieces(self, length: int) -> list[int]:
@@ -56,7 +59,8 @@ class SinkSpec:
 
 
 def sink_caches(model: object, *, sinks: int = 4, window: int = 1020, chunk: int = 64) -> list[Cache]:
-    """One :class:`SinkCache` per attention layer of a decoder, each with its own layer's rotary embedding.
+    """One ``KVCache(eviction=SinkWindow(...))`` per attention layer of a decoder, each window with its own layer's
+    rotary embedding.
 
     The layers are ``model.layers[i].attention`` (:class:`attnkit.models.decoder.DecoderModel`'s blocks).
     """
@@ -64,4 +68,5 @@ def sink_caches(model: object, *, sinks: int = 4, window: int = 1020, chunk: int
     if not attentions or not all(hasattr(attention, "rope") for attention in attentions):
         raise TypeError(f"sink caches need a decoder whose blocks hold their attention layer as `attention` "
                         f"(model.layers[i].attention, as attnkit's decoders do); {type(model).__name__} has none")
-    return [SinkCache(sinks=sinks, window=window, chunk=chunk, rope=attention.rope) for attention in attentions]
+    return [KVCache(eviction=SinkWindow(sinks=sinks, window=window, chunk=chunk, rope=attention.rope))
+            for attention in attentions]

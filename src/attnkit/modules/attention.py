@@ -20,10 +20,10 @@ from attnkit.functional import RotaryEmbedding, position_mask
 from attnkit.functional.modifiers import MaskMod, ScoreMod, and_masks, modifier_name
 from attnkit.functional.rope import apply_rotary
 
+from .cache_protocol import Cache, CachedKeys, PackedKeys, check_cache, check_positions, transaction
 from .context import StepContext
 from .cross import check_torch_form, torch_multihead
 from .heads import AttentionHeads, Heads, Modifiers, factory_kwargs
-from .kv_cache import Cache, CachedKeys, PackedKeys, check_cache, check_positions, transaction
 
 
 def _make_rope(rope: bool | RotaryEmbedding, head_dim: int) -> RotaryEmbedding | None:
@@ -242,7 +242,7 @@ class MultiHeadAttention(AttentionHeads):
                 scores), broadcastable to (B, H, T, S).
             kv_cache: a cache for this layer (:class:`KVCache`,
                 :class:`StaticKVCache`, or anything implementing the protocol of
-                :mod:`attnkit.modules.kv_cache`); the new keys and values are
+                :mod:`attnkit.modules.cache_protocol`); the new keys and values are
                 stored in it and attention covers all it holds. A call that
                 raises leaves the cache as it was.
             need_weights: also return the weights (B, H, T, S).
@@ -373,7 +373,7 @@ class MultiHeadAttention(AttentionHeads):
         positions, where finding them would synchronise). With modifiers,
         every key stays (they read positions) and explicit positions go to
         :func:`attnkit.attention` itself, which aligns the band by them.
-        Keys a cache holds packed (:class:`~attnkit.modules.kv_cache.PackedKeys`)
+        Keys a cache holds packed (:class:`~attnkit.modules.cache_protocol.PackedKeys`)
         are read by the cache's own kernel where it serves the call, else dequantised.
         """
         if not isinstance(keys, CachedKeys):

@@ -63,7 +63,7 @@ def quantize_rows(x: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     The scale is each row's largest magnitude / 127 (at least float32's smallest
     normal, so an all-zero row keeps codes 0), rounded to ``scale_dtype`` before
     the codes are taken, so ``codes * scale`` is exactly what is read. The int8
-    weight form and the int8 KV cache (:mod:`.int8_cache`) both round this way.
+    weight form and the int8 KV cache (:mod:`.int8_storage`) both round this way.
     """
     largest = x.detach().abs().amax(dim=-1).float()  # (..., D) -> (...)
     scale = (largest / 127).clamp_min(torch.finfo(torch.float32).tiny).to(scale_dtype)  # (...)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch import Tensor
 
-from .kv_cache import CachedKeys, KVCache, _Ownership, _refuse_repeats, check_narrowing, check_storage_dtype
+from .cache_protocol import CachedKeys, _Ownership, _refuse_repeats, check_narrowing, check_storage_dtype
+from .kv_cache import KVCache
 
 
 class StaticKVCache(_Ownership):

@@ -1,8 +1,8 @@
-"""A KV cache in int8: a quarter of float32's bytes per position, and decoding that reads only those bytes.
+"""KV cache storage in int8: a quarter of float32's bytes per position, and decoding that reads only those bytes.
 
     caches = model.new_caches(dtype=torch.int8)       # or generate(..., kv_dtype="int8")
     with torch.inference_mode():
-        out = layer(x_new, kv_cache=cache)            # cache = Int8KVCache(), one per layer
+        out = layer(x_new, kv_cache=cache)            # cache = KVCache(dtype=torch.int8), one per layer
 
 At a long context a decoding step reads every cached key and value once per
 layer, 4 bytes a number in float32. Here each key is stored as int8 codes
@@ -46,6 +46,7 @@ value head dim, N = R * T query rows per key/value head.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,8 @@ from torch import Tensor
 
 from attnkit.backends.int8 import int8_attention
 
-from .kv_cache import CachedKeys, GrowingSlots
+from .cache_protocol import CachedKeys
+from .kv_storage import check_dims
 from .packed import quantize_rows
 
 CHUNK = 256  # positions per growth of the storage
@@ -63,7 +65,8 @@ ACTIVATIONS = (torch.float32, torch.bfloat16)  # the layer dtypes whose keys thi
 
 @dataclass(frozen=True)
 class Int8Keys:
-    """What :class:`Int8KVCache` hands the layer: the codes and scales of every position held.
+    """What a :class:`~attnkit.modules.kv_cache.KVCache` in int8 hands the layer: the codes and scales of every
+    position held.
 
     Views of the cache's storage, valid until its next update.
     """
@@ -109,101 +112,73 @@ def _grown(old: Tensor | None, shape: tuple[int, ...], dim: int, like: Tensor, d
     return new
 
 
-class Int8KVCache(GrowingSlots):
-    """A growing store of int8 keys and values (B, G, S, D) for one layer; see the module docstring.
+class Int8Storage:
+    """Keys and values as int8 codes and scales, for a :class:`~attnkit.modules.kv_cache.KVCache` with
+    ``dtype=torch.int8``; see the module docstring.
 
-    Args:
-        capacity: the most positions it may hold; appending past it raises.
-            None (default) grows as needed.
-
-    Used like :class:`attnkit.KVCache` (``len``, ``positions``, ``reset()``,
-    ``crop(n)``, explicit positions per row): it takes the keys of a float32
-    or bfloat16 layer and stores them in a quarter (or half) of the bytes.
-    For inference only (no gradients reach the keys).
+    It takes the keys of a float32 or bfloat16 layer and stores them in a
+    quarter (or half) of the bytes, growing a chunk at a time. For inference
+    only (keys that need gradients are refused).
     """
 
-    _kind = "Int8KVCache"
-    _STORAGE = ("_kc", "_ks", "_vt", "_vs", "_pos", "_top")
     dtype = torch.int8
 
-    def __init__(self, capacity: int | None = None) -> None:
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"capacity must be a positive int or None, got capacity={capacity!r}")
-        self.capacity = capacity
-        self._kc: Tensor | None = None  # (B, G, C, D) int8
-        self._ks: Tensor | None = None  # (B, G, C) bfloat16
-        self._vt: Tensor | None = None  # (B, G, Dv, C) int8
-        self._vs: Tensor | None = None  # (B, G, C) float32
-        self._pos: Tensor | None = None  # (B, C) positions once a call gave explicit ones
-        self._top: Tensor | None = None  # (B,) the highest position each row holds, with _pos
-        self._length = 0
-        self._owner: int | None = None
+    def __init__(self) -> None:
+        self.kc: Tensor | None = None  # (B, G, C, D) int8
+        self.ks: Tensor | None = None  # (B, G, C) bfloat16
+        self.vt: Tensor | None = None  # (B, G, Dv, C) int8
+        self.vs: Tensor | None = None  # (B, G, C) float32
+        self.allocated = 0
 
-    def __repr__(self) -> str:
-        shape = None if self._kc is None else (self._kc.shape[0], self._kc.shape[1], self._length, self._kc.shape[3])
-        return f"Int8KVCache(len={self._length}, capacity={self.capacity}, shape={shape})"
-
-    def keys_and_values(self, dtype: torch.dtype = torch.float32) -> CachedKeys | None:
-        """The keys and values held, dequantised to ``dtype`` (B, G, S, D), or None before the first update."""
-        return None if self._kc is None else self._held().dequantized(dtype)
-
-    def __copy__(self) -> Int8KVCache:
-        """An independent cache holding the same positions (storage is copied, never shared)."""
-        return self._cloned_into(Int8KVCache(self.capacity))
-
-    def _check(self, k: Tensor, v: Tensor) -> None:
-        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
-            raise ValueError(f"keys and values must be (B, G, T, D) and agree on B, G, T; "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    def check(self, k: Tensor, v: Tensor) -> None:
         if k.dtype != v.dtype or k.dtype not in ACTIVATIONS:
-            raise ValueError(f"Int8KVCache takes float32 or bfloat16 keys and values of one dtype, got {k.dtype} and "
-                             f"{v.dtype}")
+            raise ValueError(f"KVCache(dtype=torch.int8) takes float32 or bfloat16 keys and values of one dtype, got "
+                             f"{k.dtype} and {v.dtype}")
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            raise ValueError("Int8KVCache is for inference: call under torch.no_grad() or torch.inference_mode(), "
-                             "or use KVCache, which keeps gradients")
-        if self._kc is None or self._vt is None:
+            raise ValueError("KVCache(dtype=torch.int8) is for inference: call under torch.no_grad() or "
+                             "torch.inference_mode(), or store floats (dtype None, bfloat16 or float16), which keep "
+                             "gradients")
+        if self.kc is None:
             return
-        held = (self._kc.shape[0], self._kc.shape[1], self._kc.shape[3], self._vt.shape[2])
-        new = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
-        if held != new:
-            raise ValueError(f"this cache holds (B, G, D, Dv)={held} but got {new}; "
-                             "call cache.reset() before a new sequence")
-        if k.device != self._kc.device:
-            raise ValueError(f"this cache holds keys on {self._kc.device}, got keys on {k.device}")
+        check_dims(self.dims(), k, v)
+        if k.device != self.kc.device:
+            raise ValueError(f"this cache holds keys on {self.kc.device}, got keys on {k.device}")
 
-    def _reserve(self, needed: int, k: Tensor, v: Tensor, explicit: bool) -> None:
-        """Room for ``needed`` slots, in whole chunks (what is held is copied into the larger storage)."""
-        allocated = 0 if self._kc is None else self._kc.shape[2]
-        if needed > allocated:
-            size = -(-needed // CHUNK) * CHUNK  # whole chunks, a capacity aside: the kernel needs C % 16 == 0
-            b, g, _, d = k.shape
-            self._kc = _grown(self._kc, (b, g, size, d), 2, k, torch.int8)
-            self._ks = _grown(self._ks, (b, g, size), 2, k, torch.bfloat16)
-            self._vt = _grown(self._vt, (b, g, v.shape[3], size), 3, k, torch.int8)
-            self._vs = _grown(self._vs, (b, g, size), 2, k, torch.float32)
-            self._pos = None if self._pos is None else _grown(self._pos, (b, size), 1, self._pos, torch.long)
-        if explicit and self._pos is None:
-            assert self._kc is not None
-            self._number_held_slots(self._kc.shape[2], k.shape[0], k.device)
+    def size_for(self, needed: int, capacity: int | None) -> int:
+        """Whole chunks, a capacity aside: the kernel needs C % 16 == 0, and the value product reads all C."""
+        return -(-needed // CHUNK) * CHUNK
 
-    def write(self, k: Tensor, v: Tensor, positions: Tensor | None) -> Int8Keys:
-        """Store k, v (B, G, T, D) in the next slots (at ``positions`` (B, T), or slot = position), unchecked
-        (:meth:`update` checks first)."""
-        start, t = self._length, k.shape[2]
-        self._reserve(self._begin_update(k), k, v, positions is not None)
-        assert self._kc is not None and self._ks is not None and self._vt is not None and self._vs is not None
-        new = slice(start, start + t)
+    def grow(self, size: int, held: int, k: Tensor, v: Tensor) -> None:
+        b, g, _, d = k.shape
+        self.kc = _grown(self.kc, (b, g, size, d), 2, k, torch.int8)
+        self.ks = _grown(self.ks, (b, g, size), 2, k, torch.bfloat16)
+        self.vt = _grown(self.vt, (b, g, v.shape[3], size), 3, k, torch.int8)
+        self.vs = _grown(self.vs, (b, g, size), 2, k, torch.float32)
+        self.allocated = size
+
+    def put(self, start: int, k: Tensor, v: Tensor, positions: Tensor | None) -> Int8Keys:
+        assert self.kc is not None and self.ks is not None and self.vt is not None and self.vs is not None
+        new = slice(start, start + k.shape[2])
         if k.shape == v.shape:  # one pass over both: (2, B, G, T, D)
             (k_codes, v_codes), (k_scale, v_scale) = quantize_rows(torch.stack((k, v)), torch.bfloat16)
         else:
             (k_codes, k_scale), (v_codes, v_scale) = quantize_rows(k, torch.bfloat16), quantize_rows(v, torch.bfloat16)
-        self._kc[:, :, new], self._ks[:, :, new], self._vs[:, :, new] = k_codes, k_scale, v_scale  # (B, G, T[, D])
-        self._vt[:, :, :, new] = v_codes.transpose(2, 3)  # (B, G, T, Dv) -> (B, G, Dv, T)
-        self._note_positions(start, start + t, positions, k.shape[0], k.device)
-        self._length = start + t
-        return self._held()
+        self.kc[:, :, new], self.ks[:, :, new], self.vs[:, :, new] = k_codes, k_scale, v_scale  # (B, G, T[, D])
+        self.vt[:, :, :, new] = v_codes.transpose(2, 3)  # (B, G, T, Dv) -> (B, G, Dv, T)
+        return self.held(start + k.shape[2], positions)
 
-    def _held(self) -> Int8Keys:
-        assert self._kc is not None and self._ks is not None and self._vt is not None and self._vs is not None
-        s = self._length
-        return Int8Keys(self._kc[:, :, :s], self._ks[:, :, :s], self._vt, self._vs[:, :, :s], self.positions)
+    def held(self, length: int, positions: Tensor | None) -> Int8Keys:
+        assert self.kc is not None and self.ks is not None and self.vt is not None and self.vs is not None
+        return Int8Keys(self.kc[:, :, :length], self.ks[:, :, :length], self.vt, self.vs[:, :, :length], positions)
+
+    def dims(self) -> tuple[int, int, int, int] | None:
+        if self.kc is None or self.vt is None:
+            return None
+        return (self.kc.shape[0], self.kc.shape[1], self.kc.shape[3], self.vt.shape[2])
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        return (self.kc, self.ks, self.vt, self.vs)
+
+    def set_tensors(self, tensors: Sequence[Tensor | None]) -> None:
+        self.kc, self.ks, self.vt, self.vs = tensors
+        self.allocated = 0 if self.kc is None else self.kc.shape[2]

@@ -1,4 +1,5 @@
-"""SinkCache: a KV cache before its window fills, exact re-rotation after evictions, bounded memory, SmolLM2.
+"""KVCache(eviction=SinkWindow(...)): a KV cache before its window fills, exact re-rotation after evictions,
+bounded memory, SmolLM2.
 
 Bugs these catch: evicted keys left at their old rotation (queries then see
 keys "in the future"), an off-by-one in what is kept or where the next call
@@ -10,6 +11,7 @@ the context as if the cache grew.
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit import KVCache, MultiHeadAttention, RotaryEmbedding
-from attnkit.modules.sink_cache import SinkCache
+from attnkit import KVCache, MultiHeadAttention, RotaryEmbedding, SinkWindow
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "python_reference.txt"
 
@@ -30,9 +31,9 @@ def _layer(seed: int = 0, rope: bool = True) -> MultiHeadAttention:
     return MultiHeadAttention(16, 16, 4, num_kv_heads=2, rope=rope).double().eval()
 
 
-def _kept(cache: SinkCache) -> list[int]:
+def _kept(cache: KVCache) -> list[int]:
     """The tokens a cache holds, derived from its length alone: the first sinks, then the most recent."""
-    sinks = min(cache.sinks, cache.seen)
+    sinks = min(cache.eviction.sinks, cache.seen)
     return list(range(sinks)) + list(range(cache.seen - (len(cache) - sinks), cache.seen))
 
 
@@ -48,8 +49,8 @@ def test_before_the_window_fills_it_is_a_kv_cache():
     """Up to its capacity nothing is evicted: outputs and keys are bit for bit a KVCache's."""
     layer = _layer()
     x = torch.randn(2, 20, 16, dtype=torch.float64)
-    sink, full = SinkCache(sinks=2, window=12, chunk=7, rope=layer.rope), KVCache()
-    assert sink.capacity == 20
+    sink, full = KVCache(eviction=SinkWindow(sinks=2, window=12, chunk=7, rope=layer.rope)), KVCache()
+    assert sink.eviction.capacity == 20
     steps = [5, 1, 1, 6, 1, 2, 4]
     for got, expected in zip(_feed(layer, x, sink, steps), _feed(layer, x, full, steps), strict=True):
         assert torch.equal(got, expected)
@@ -66,7 +67,7 @@ def test_after_eviction_each_call_equals_a_full_forward_over_the_kept_tokens(ste
     """
     layer = _layer()
     x = torch.randn(2, sum(steps), 16, dtype=torch.float64)
-    cache = SinkCache(sinks=3, window=9, chunk=4, rope=layer.rope)
+    cache = KVCache(eviction=SinkWindow(sinks=3, window=9, chunk=4, rope=layer.rope))
     start, evictions = 0, 0
     for size in steps:
         held = len(cache)
@@ -87,7 +88,7 @@ def test_keys_are_the_kept_tokens_rotated_at_their_in_cache_positions(sinks, win
     rope = RotaryEmbedding(4)
     raw_k = torch.randn(1, 2, sum(calls), 4, generator=g, dtype=torch.float64)  # (B, G, N, D), unrotated
     raw_v = torch.randn(1, 2, sum(calls), 3, generator=g, dtype=torch.float64)
-    cache, start = SinkCache(sinks=sinks, window=window, chunk=chunk, rope=rope), 0
+    cache, start = KVCache(eviction=SinkWindow(sinks=sinks, window=window, chunk=chunk, rope=rope)), 0
     for t in calls:
         held_window = max(len(cache) - sinks, 0)
         at = cache.next_positions(1, t, raw_k.device)
@@ -98,7 +99,7 @@ def test_keys_are_the_kept_tokens_rotated_at_their_in_cache_positions(sinks, win
         tail, new_in_window = len(cache) - min(sinks, start), min(t, max(start - sinks, 0))
         assert tail >= min(window - 1, held_window) + new_in_window  # the call's first query sees its window
         if t <= chunk:
-            assert len(cache) <= cache.capacity
+            assert len(cache) <= cache.eviction.capacity
         kept = _kept(cache)
         expected = rope.rotate(raw_k[:, :, kept], torch.arange(len(kept)))
         torch.testing.assert_close(keys.k, expected, atol=1e-12, rtol=1e-12)
@@ -107,29 +108,30 @@ def test_keys_are_the_kept_tokens_rotated_at_their_in_cache_positions(sinks, win
 
 def test_memory_stays_bounded_and_evictions_come_a_chunk_at_a_time():
     layer = _layer(rope=True).float()
-    cache = SinkCache(sinks=4, window=20, chunk=8, rope=layer.rope)
+    policy = SinkWindow(sinks=4, window=20, chunk=8, rope=layer.rope)
+    cache = KVCache(eviction=policy)
     evictions = 0
     with torch.inference_mode():
         for _ in range(2000):
             held = len(cache)
             layer(torch.randn(1, 1, 16), kv_cache=cache)
             evictions += len(cache) <= held
-            assert len(cache) <= cache.capacity == 31 and cache.allocated == cache.capacity
+            assert len(cache) <= policy.capacity == 31 and cache.allocated == policy.capacity
         assert cache.seen == 2000 and cache.keys.shape == (1, 2, len(cache), 4)
-        assert evictions == (2000 - cache.capacity + cache.chunk - 1) // cache.chunk  # one eviction per chunk
+        assert evictions == (2000 - policy.capacity + policy.chunk - 1) // policy.chunk  # one eviction per chunk
         layer(torch.randn(1, 100, 16), kv_cache=cache)  # a call longer than a chunk is stored whole
         assert len(cache) == 4 + 19 + 100 and cache.allocated == len(cache)
         layer(torch.randn(1, 1, 16), kv_cache=cache)  # and the next call shrinks the cache back
-        assert len(cache) == 4 + 20 and cache.allocated == cache.capacity
+        assert len(cache) == 4 + 20 and cache.allocated == policy.capacity
 
 
 def test_a_failed_call_undoes_its_eviction():
     """The error is raised after update evicted and re-rotated: restore must bring back the old keys."""
     layer = _layer()
     x = torch.randn(1, 30, 16, dtype=torch.float64)
-    cache = SinkCache(sinks=2, window=6, chunk=3, rope=layer.rope)
+    cache = KVCache(eviction=SinkWindow(sinks=2, window=6, chunk=3, rope=layer.rope))
     _feed(layer, x, cache, [10])
-    assert len(cache) == cache.capacity == 10
+    assert len(cache) == cache.eviction.capacity == 10
     keys, values, seen = cache.keys.clone(), cache.values.clone(), cache.seen
     with pytest.raises(ValueError, match=r"key_mask"):
         layer(x[:, 10:11], kv_cache=cache, key_mask=torch.ones(1, 3, dtype=torch.bool))
@@ -142,7 +144,7 @@ def test_a_failed_call_undoes_its_eviction():
 
 def test_claim_and_restore_directly():
     rope = RotaryEmbedding(4)
-    cache = SinkCache(sinks=1, window=2, chunk=1, rope=rope)
+    cache = KVCache(eviction=SinkWindow(sinks=1, window=2, chunk=1, rope=rope))
     k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     cache.update(k, v, None)
     before = cache.keys.clone()
@@ -152,7 +154,7 @@ def test_claim_and_restore_directly():
     cache.restore(checkpoint)
     assert torch.equal(cache.keys, before) and cache.seen == 3
     cache.claim(owner="layer")  # restore undid the claim too: claim it again, and keep it
-    with pytest.raises(ValueError, match=r"already holds the keys of another layer.*one SinkCache per layer"):
+    with pytest.raises(ValueError, match=r"already holds the keys of another layer.*one KVCache per layer"):
         cache.claim(owner="another layer")
     cache.reset()
     assert (len(cache), cache.seen, cache.keys) == (0, 0, None)
@@ -163,7 +165,7 @@ def test_gradients_reach_the_current_call_as_with_a_kv_cache():
     """Held keys are constants, this call's carry gradients: as a KVCache holding the kept tokens."""
     layer = _layer().train()
     x = torch.randn(1, 12, 16, dtype=torch.float64)
-    cache = SinkCache(sinks=1, window=4, chunk=2, rope=layer.rope)
+    cache = KVCache(eviction=SinkWindow(sinks=1, window=4, chunk=2, rope=layer.rope))
     with torch.no_grad():
         _feed(layer, x, cache, [10])
     out = layer(x[:, 10:12], kv_cache=cache)  # evicts, then attends with gradients
@@ -180,6 +182,36 @@ def test_gradients_reach_the_current_call_as_with_a_kv_cache():
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
 
 
+def test_eviction_with_a_capacity_or_int8_storage_is_refused():
+    """A capacity would contradict the policy's bound; int8 codes would be rounded again at every eviction."""
+    window = SinkWindow(sinks=1, window=4, chunk=8, rope=None)  # holds up to 1 + 4 + 8 - 1 = 12
+    with pytest.raises(ValueError, match=r"holds what the policy keeps \(up to 12 positions\): give capacity=None, "
+                                         r"got capacity=64"):
+        KVCache(64, eviction=window)
+    with pytest.raises(ValueError, match=r"re-rotates the keys it keeps, which int8 storage would round again"):
+        KVCache(dtype=torch.int8, eviction=window)
+    with pytest.raises(TypeError, match=r"eviction must be None or a SinkWindow, got str"):
+        KVCache(eviction="sink:4,1020")  # type: ignore[arg-type]
+
+
+def test_a_copy_keeps_the_policy_and_shares_no_storage():
+    """copy.copy of an evicting cache goes on as a fresh cache fed the same tokens would: were its storage shared,
+    the original's next key would overwrite the copy's."""
+    layer = _layer()
+    x = torch.randn(1, 30, 16, dtype=torch.float64)
+    window = SinkWindow(sinks=2, window=6, chunk=3, rope=layer.rope)
+    cache, fresh = KVCache(eviction=window), KVCache(eviction=window)
+    _feed(layer, x, cache, [5])
+    _feed(layer, x, fresh, [5])
+    twin = copy.copy(cache)
+    assert twin.eviction is window and "eviction=SinkWindow(sinks=2, window=6, chunk=3), seen=5" in repr(twin)
+    layer(torch.randn(1, 1, 16, dtype=torch.float64), kv_cache=cache)  # the original's slot 5 takes another key
+    for got, expected in zip(_feed(layer, x[:, 5:], twin, [1] * 25), _feed(layer, x[:, 5:], fresh, [1] * 25),
+                             strict=True):
+        assert torch.equal(got, expected)
+    assert twin.seen == fresh.seen == 30 and len(twin) == len(fresh) < 30
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(sinks=0, window=4), "sinks must be an int >= 1, got sinks=0"),
     (dict(sinks=2, window=0), "window must be an int >= 1, got window=0"),
@@ -189,17 +221,17 @@ def test_gradients_reach_the_current_call_as_with_a_kv_cache():
 ])
 def test_bad_sizes_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SinkCache(rope=None, **kwargs)
+        SinkWindow(rope=None, **kwargs)
 
 
 def test_bad_use_is_refused_with_the_reason():
     layer = _layer()
     x = torch.randn(2, 4, 16, dtype=torch.float64)
     with pytest.raises(TypeError, match="rope must be the layer's RotaryEmbedding"):
-        SinkCache(sinks=1, window=4, rope=True)
+        SinkWindow(sinks=1, window=4, rope=True)
     with pytest.raises(TypeError, match="rope"):
-        SinkCache(sinks=1, window=4)  # the rope must be given (None for a layer without one)
-    cache = SinkCache(sinks=1, window=4, rope=layer.rope)
+        SinkWindow(sinks=1, window=4)  # the rope must be given (None for a layer without one)
+    cache = KVCache(eviction=SinkWindow(sinks=1, window=4, rope=layer.rope))
     with pytest.raises(ValueError, match=r"assigns positions inside the cache.*no explicit positions.*left padding"):
         layer(x, positions=torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]]), kv_cache=cache)
     assert len(cache) == 0
@@ -209,10 +241,10 @@ def test_bad_use_is_refused_with_the_reason():
     for rope in (None, RotaryEmbedding(4), RotaryEmbedding(8)):  # no rope, or another layer's: evictions went wrong
         with pytest.raises(ValueError, match=r"rotates evicted keys with .* but the layer writing to it "
                                              r"\(MultiHeadAttention\) rotates them with .*rope=layer\.rope"):
-            layer(x, kv_cache=SinkCache(sinks=1, window=4, rope=rope))
+            layer(x, kv_cache=KVCache(eviction=SinkWindow(sinks=1, window=4, rope=rope)))
     with pytest.raises(ValueError, match="rope has head_dim=8 but the keys have D=4"):
-        SinkCache(sinks=1, window=4, rope=RotaryEmbedding(8)).update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4),
-                                                                     None)
+        KVCache(eviction=SinkWindow(sinks=1, window=4, rope=RotaryEmbedding(8))).update(
+            torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -359,7 +391,7 @@ def test_smollm2_perplexity_with_sinks_stays_within_1_5x_of_the_full_cache():
     full = math.exp(_nll(model, ids, model.new_caches(), 512))
     caches = sink_caches(model, sinks=4, window=124, chunk=32)
     sink = math.exp(_nll(model, ids, caches, 32))
-    assert caches[0].seen == 1024 and len(caches[0]) <= caches[0].capacity == 159
+    assert caches[0].seen == 1024 and len(caches[0]) <= caches[0].eviction.capacity == 159
     assert sink <= 1.5 * full, (sink, full)
 
 
@@ -369,20 +401,25 @@ def test_the_long_text_is_kept_with_its_source_and_licence():
     assert len(text) > 38_000 and text.startswith("Objects, values and types")
 
 
-def test_half_precision_keys_are_re_rotated_in_float32():
-    """bfloat16 keys re-rotated once per chunk (16 times here): rotating in float32 keeps the error within
-    a few bfloat16 roundings of the directly rotated keys (rotating in bfloat16 measured 7.6x one rounding)."""
+@pytest.mark.parametrize("storage", [False, True], ids=["bfloat16-keys", "float32-keys-in-bfloat16-storage"])
+def test_half_precision_keys_are_re_rotated_in_float32(storage: bool):
+    """bfloat16 keys (or float32 keys in a cache storing bfloat16) re-rotated once per chunk (16 times here):
+    rotating in float32 keeps the error within a few bfloat16 roundings of the directly rotated keys (rotating in
+    bfloat16 measured 7.6x one rounding)."""
     torch.manual_seed(0)
     rope = RotaryEmbedding(64)
-    cache = SinkCache(sinks=2, window=64, chunk=4, rope=rope)
+    cache = KVCache(dtype=torch.bfloat16 if storage else None, eviction=SinkWindow(sinks=2, window=64, chunk=4,
+                                                                                    rope=rope))
     raw = []
     with torch.no_grad():
         for _ in range(300):
             k = torch.randn(1, 1, 1, 64, dtype=torch.float64)
             raw.append(k)
             at = cache.next_positions(1, 1, k.device)
-            rotated = rope.rotate(k, torch.tensor([at])).bfloat16()
+            rotated = rope.rotate(k, torch.tensor([at]))
+            rotated = rotated.float() if storage else rotated.bfloat16()
             cache.update(rotated, rotated, None)
+    assert cache.keys.dtype == torch.bfloat16 and cache.seen == 300
     held = cache.keys.double()
     s = held.shape[2]
     want = rope.rotate(torch.cat(raw[:2] + raw[-(s - 2):], 2), torch.arange(s))  # (1, 1, S, 64) at 0 .. S - 1
