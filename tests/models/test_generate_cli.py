@@ -105,7 +105,8 @@ def test_generate_sampling_with_a_seed_repeats(tiny: str, capsys: pytest.Capture
     (["--seed", "3", "--top-k", "5"], "--top-k 5, --seed 3 shape sampling, and --temperature 0 (the default)"),
     ([" "], "the prompt is empty"),
     (["--kv-dtype", "bfloat16", "--dtype", "bfloat16"], "--dtype bfloat16 computes in the model's dtype"),
-    (["--kv-dtype", "float16", "--cache", "sink:4,20"], "--cache sink:4,20 keeps its window"),
+    (["--kv-dtype", "float16", "--cache", "sink:4,20"], "--cache sink:4,20 re-rotates the keys it keeps at each "
+                                                         "eviction, which would round them again every time"),
     (["--compile", "--cache", "sink:4,20"], "--compile runs over static caches and --cache sink:4,20 evicts"),
 ])
 def test_generate_bad_options_exit_2_with_one_line(tiny: str, capsys: pytest.CaptureFixture[str],

@@ -554,6 +554,19 @@ def test_kept_caches_refuse_options_they_cannot_continue_under(tiny32: Any, opti
         tiny32.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=2, kept=KeptCaches())
 
 
+def test_kept_caches_refuse_caches_with_eviction(tiny32: Any) -> None:
+    """Bug: kept caches are cropped to what every layer holds after a run, and a crop cannot undo an eviction:
+    sink caches given as kept caches ran silently. Refused before the first token, naming the eviction."""
+    from attnkit.models.generation import KeptCaches
+    from attnkit.models.sink_caches import sink_caches
+
+    kept = KeptCaches(caches=sink_caches(tiny32, sinks=2, window=8, chunk=4))
+    with pytest.raises(ValueError, match=r"a cache with eviction=SinkWindow\(sinks=2, window=8, chunk=4\) cannot be "
+                                         r"\(an eviction cannot be undone\)"):
+        tiny32.generate(tiny32.tokenize("the sin")["input_ids"], max_new_tokens=2, kept=kept)
+    assert kept.ids is None and all(len(cache) == 0 for cache in kept.caches)
+
+
 def test_kept_caches_note_what_they_hold_when_a_run_stops_early(tiny32: Any) -> None:
     """An answer stopped after three tokens (a closed stream, Ctrl-C) leaves the prompt and two fed tokens."""
     from attnkit.models.generation import KeptCaches, generate_steps

@@ -687,7 +687,8 @@ def test_new_caches_in_int8_grow_and_are_never_static() -> None:
 @pytest.mark.parametrize(("options", "message"), [
     (dict(kv_dtype="int8", compile=True), r"compile=True runs over static caches, and kv_dtype='int8' is a growing"),
     (dict(kv_dtype=torch.int8, compile=True), r"compile=True runs over static caches, and kv_dtype='int8'"),
-    (dict(kv_dtype="int8", cache="sink:4,64"), r"kv_dtype=torch\.int8 is for the full caches; cache='sink:4,64'"),
+    (dict(kv_dtype="int8", cache="sink:4,64"), r"kv_dtype=torch\.int8 is for the full caches: cache='sink:4,64' "
+                                               r"re-rotates the keys it keeps"),
 ])
 def test_generate_refuses_int8_with_compile_or_a_sink_cache(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):

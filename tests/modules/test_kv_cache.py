@@ -119,6 +119,25 @@ def test_crop_rewinds_to_an_earlier_position():
         cache.crop(9)
 
 
+@pytest.mark.parametrize(("dtype", "error"), [(torch.int8, ValueError), (torch.bool, ValueError),
+                                              ("float32", TypeError), (None, None), (torch.float64, None)])
+@pytest.mark.parametrize("stored", [None, torch.int8])
+def test_keys_and_values_takes_only_a_floating_dtype(stored, dtype, error):
+    """Bug: keys_and_values(torch.int8) silently truncated the keys to integers, and keys_and_values("float32")
+    raised torch's "Invalid device string"."""
+    cache = KVCache(dtype=stored)
+    k = torch.randn(1, 2, 3, 4)
+    cache.update(k, k, None)
+    if error is None:
+        held = cache.keys_and_values(dtype)
+        assert held.k.dtype == (dtype or torch.float32)
+        torch.testing.assert_close(held.k.float(), cache.keys, atol=0, rtol=0)
+        return
+    with pytest.raises(error, match=r"keys_and_values takes None \(as stored\) or a floating torch dtype \(e\.g\. "
+                                    rf"torch\.float32, .*\), got dtype={dtype!r}"):
+        cache.keys_and_values(dtype)
+
+
 # --- explicit positions and the cache protocol ---------------------------------------------------------------
 
 from hypothesis import given, settings  # noqa: E402

@@ -136,8 +136,8 @@ def _teacher_forced(model, ids, dtype, chunk=8):
 
 @pytest.mark.slow  # 140 s under AVX2 kernels (bfloat16 emulated): the main pass runs it
 def test_a_bfloat16_cache_keeps_smollm2s_choices():
-    """256 positions fed through the cache 8 at a time: greedy choices agree >= 97% with the float32 cache's (measured 100%;
-    99.2% after a 3,800-token prompt, BENCHMARKS.md), perplexity within 1%."""
+    """256 positions fed through the cache 8 at a time: greedy choices agree >= 97% with the float32 cache's
+    (measured 100%; 99.2% after a 3,800-token prompt, BENCHMARKS.md), perplexity within 1%."""
     from tests.models._decoder import smollm2
     from tests.modules.test_quantize import TEXT
 
@@ -158,8 +158,11 @@ def test_generation_options_name_what_they_take():
     assert GenerationOptions().kv_dtype is None
     with pytest.raises(ValueError, match=r"kv_dtype must be None .*, got kv_dtype='int4'"):
         GenerationOptions(kv_dtype="int4")
-    with pytest.raises(ValueError, match=r"kv_dtype=torch\.bfloat16 is for the full caches; cache='sink:4,60'"):
-        GenerationOptions(kv_dtype="bfloat16", cache="sink:4,60")
+    for kv_dtype in ("bfloat16", "int8"):  # the reason given was false: "keeps its window in the model's dtype"
+        with pytest.raises(ValueError, match=rf"kv_dtype=torch\.{kv_dtype} is for the full caches: cache='sink:4,60' "
+                                             r"re-rotates the keys it keeps at each eviction, which would round them "
+                                             r"again every time"):
+            GenerationOptions(kv_dtype=kv_dtype, cache="sink:4,60")
 
 
 @pytest.mark.parametrize("make_cache", [lambda: KVCache(dtype=torch.bfloat16),

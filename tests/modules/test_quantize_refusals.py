@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from attnkit import KVCache
 from attnkit.models import LlamaConfig, LlamaModel
 from attnkit.modules.packed import Float16Linear, Int4Linear, Int8Linear, PackedLinear
 from attnkit.modules.quantize import quantize, weight_form
@@ -134,5 +135,10 @@ def test_a_refused_conversion_leaves_every_module_as_it_was(convert) -> None:
 
 
 def test_new_caches_names_every_dtype_it_takes() -> None:
-    with pytest.raises(ValueError, match=r"torch\.bfloat16, torch\.float16 or torch\.int8, got dtype=torch\.uint8"):
+    """With KVCache's own message (new_caches had a second check of the same dtypes, worded apart)."""
+    with pytest.raises(ValueError, match=r"torch\.bfloat16, torch\.float16, torch\.int8, got dtype=torch\.uint8"
+                       ) as got:
         _tiny().new_caches(dtype=torch.uint8)
+    with pytest.raises(ValueError) as expected:
+        KVCache(dtype=torch.uint8)
+    assert str(got.value) == str(expected.value)

@@ -35,10 +35,12 @@ from attnkit.modules.cache_protocol import (
     check_cache,
     check_narrowing,
     check_positions,
+    check_storage_dtype,
     transaction,
 )
 from attnkit.modules.context import StepContext
 from attnkit.modules.int8_storage import ACTIVATIONS as INT8_ACTIVATIONS
+from attnkit.modules.kv_cache import KV_DTYPES
 from attnkit.modules.quantize import check_conversion, quantize, resolve_form
 
 from .generation import GenerationMixin, Tokenizer
@@ -142,9 +144,7 @@ class DecoderModel(GenerationMixin, nn.Module):
         or unbounded), or with ``static`` a :class:`attnkit.StaticKVCache` of ``capacity`` slots; ``dtype``:
         the dtype they store keys and values in (None: the model's; bfloat16 / float16: half the bytes;
         int8: int8 codes read by an int8 kernel, :mod:`attnkit.modules.int8_storage`, growing only)."""
-        if dtype is not None and dtype not in (*STORAGE_DTYPES, torch.int8):
-            raise ValueError(f"new_caches stores keys and values in None (the model's dtype), "
-                             f"{', '.join(map(str, STORAGE_DTYPES))} or torch.int8, got dtype={dtype!r}")
+        dtype = check_storage_dtype(dtype, KV_DTYPES)
         self._check_storage(dtype)
         if dtype == torch.int8 and static:
             raise ValueError("an int8 cache grows (KVCache(dtype=torch.int8)): there is no static one; use "

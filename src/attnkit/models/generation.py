@@ -172,10 +172,16 @@ class KeptCaches:
 
 
 def _held(caches: Sequence[Cache]) -> list[int]:
-    """The positions each kept cache holds; one that cannot say so, or be cropped, is a TypeError."""
+    """The positions each kept cache holds; one that cannot say so, or be cropped, is a TypeError; one that evicts
+    (its crop could not undo an eviction) a ValueError."""
     if not all(hasattr(c, "__len__") and callable(getattr(c, "crop", None)) for c in caches):
         raise TypeError("kept caches must be growing caches (len() and crop(): KVCache), got "
                         f"{', '.join(sorted({type(c).__name__ for c in caches}))}")
+    evicting = next((c for c in caches if getattr(c, "eviction", None) is not None), None)
+    if evicting is not None:
+        raise ValueError(f"kept caches are cropped to what every layer holds after a run, and a cache with "
+                         f"eviction={cast(Any, evicting).eviction!r} cannot be (an eviction cannot be undone): keep "
+                         "caches without eviction (cache='full'), or give kept=None")
     return [len(cast(Sized, c)) for c in caches]
 
 

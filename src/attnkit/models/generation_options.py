@@ -114,7 +114,9 @@ class GenerationOptions:
         cache: "full" (default: the model's caches, every position kept) or
             "sink:SINKS,WINDOW[,CHUNK]" (a :class:`SinkSpec`): attention sinks
             and a recent window in constant memory, with no limit on new
-            tokens; prompts without padding, not with ``compile``.
+            tokens; prompts without padding, not with ``compile`` nor
+            ``kv_dtype`` (each eviction re-rotates the kept keys, which a
+            narrower storage would round again every time).
         kv_dtype: the dtype the full caches store keys and values in: None
             (default: the model's), or ``torch.bfloat16`` / ``torch.float16``
             (or their names) under a float32 model: half the bytes per cached
@@ -165,8 +167,9 @@ class GenerationOptions:
         object.__setattr__(self, "sink", SinkSpec.parse(self.cache))
         object.__setattr__(self, "kv_dtype", kv_storage(self.kv_dtype))
         if self.sink is not None and self.kv_dtype is not None:
-            raise ValueError(f"kv_dtype={self.kv_dtype} is for the full caches; cache={self.cache!r} keeps its "
-                             "window in the model's dtype: use one or the other")
+            raise ValueError(f"kv_dtype={self.kv_dtype} is for the full caches: cache={self.cache!r} re-rotates the "
+                             "keys it keeps at each eviction, which would round them again every time (an error "
+                             "that grows with the evictions), so it stores the model's dtype: use one or the other")
         if self.kv_dtype is torch.int8 and self.compile:
             raise ValueError("compile=True runs over static caches, and kv_dtype='int8' is a growing cache "
                              "(KVCache(dtype=torch.int8)): use one or the other")

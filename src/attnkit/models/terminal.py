@@ -65,10 +65,13 @@ def check_options(args: argparse.Namespace, *, chat: bool) -> None:
         raise ValueError("--compile runs over static caches and --kv-dtype int8 is a growing cache: use one or the "
                          "other")
     narrow = args.kv_dtype in ("bfloat16", "float16")  # int8 takes a float32 or a bfloat16 model's keys
-    if args.kv_dtype != "float32" and (sink is not None or (narrow and args.dtype != "float32")):
-        why = f"--cache {args.cache} keeps its window" if sink is not None else f"--dtype {args.dtype} computes"
-        raise ValueError(f"--kv-dtype {args.kv_dtype} stores a float32 model's cache in fewer bytes; {why} in the "
-                         "model's dtype: drop one of them")
+    if args.kv_dtype != "float32" and sink is not None:
+        raise ValueError(f"--kv-dtype {args.kv_dtype} stores the cache in fewer bytes, and --cache {args.cache} "
+                         "re-rotates the keys it keeps at each eviction, which would round them again every time: "
+                         "drop one of them")
+    if narrow and args.dtype != "float32":
+        raise ValueError(f"--kv-dtype {args.kv_dtype} stores a float32 model's cache in fewer bytes; --dtype "
+                         f"{args.dtype} computes in the model's dtype: drop one of them")
 
 
 def stderr_console() -> Any:

@@ -192,11 +192,16 @@ class _Ownership:
         self.check(k, v, positions)
         return self.write(k, v, positions)
 
-    def _claim_owner(self, owner: object) -> int | None:
+    def _check_owner(self, owner: object) -> None:
+        """Raise if another layer than ``owner`` holds keys here."""
         if self._owner is not None and self._owner != id(owner):
             raise ValueError(f"this {self._kind} already holds the keys of another layer; a model needs one "
                              f"{self._kind} per layer (e.g. [{self._kind}(...) for _ in layers]), or call "
                              "cache.reset() to reuse it")
+
+    def _claim_owner(self, owner: object) -> int | None:
+        """Mark ``owner`` as the writer (or raise: :meth:`_check_owner`); return the owner before."""
+        self._check_owner(owner)
         before, self._owner = self._owner, id(owner)
         return before
 

@@ -121,8 +121,6 @@ class Int8Storage:
     only (keys that need gradients are refused).
     """
 
-    dtype = torch.int8
-
     def __init__(self) -> None:
         self.kc: Tensor | None = None  # (B, G, C, D) int8
         self.ks: Tensor | None = None  # (B, G, C) bfloat16

@@ -37,15 +37,28 @@ def _check_eviction(eviction: object, capacity: int | None, dtype: torch.dtype |
     """``eviction`` if a cache of this capacity and storage dtype can evict by it; else raise, naming why."""
     if eviction is None:
         return None
+    if isinstance(eviction, type) and issubclass(eviction, SinkWindow):
+        raise TypeError(f"eviction takes a {eviction.__name__} instance, got the class itself: give "
+                        f"eviction={eviction.__name__}(sinks=..., window=..., rope=layer.rope)")
     if not isinstance(eviction, SinkWindow):
         raise TypeError(f"eviction must be None or a SinkWindow, got {type(eviction).__name__}")
     if capacity is not None:
         raise ValueError(f"a KVCache with eviction={eviction!r} holds what the policy keeps (up to "
                          f"{eviction.capacity} positions): give capacity=None, got capacity={capacity}")
-    if dtype == torch.int8:
-        raise ValueError("a SinkWindow re-rotates the keys it keeps, which int8 storage would round again at every "
-                         "eviction: use dtype None, bfloat16 or float16 with eviction")
+    if dtype is not None:  # float storage rounds once, when stored; a re-rotation would round again
+        raise ValueError(f"a KVCache with eviction re-rotates the keys it keeps at every eviction, which dtype={dtype} "
+                         "storage would round again each time (an error that grows with the evictions): use "
+                         "dtype=None (the layer's dtype) with eviction")
     return eviction
+
+
+def _check_read_dtype(dtype: object) -> None:
+    """The dtype :meth:`KVCache.keys_and_values` hands keys back in: None or a floating torch dtype."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return
+    error = ValueError if isinstance(dtype, torch.dtype) else TypeError
+    raise error(f"keys_and_values takes None (as stored) or a floating torch dtype (e.g. torch.float32, "
+                f"torch.float64, torch.bfloat16, torch.float16), got dtype={dtype!r}")
 
 
 class KVCache(_Ownership):
@@ -63,11 +76,14 @@ class KVCache(_Ownership):
             ``torch.int8``: int8 codes and one scale per vector, a quarter of
             float32's bytes, read by an int8 kernel while decoding (float32 or
             bfloat16 layers, inference only: :mod:`attnkit.modules.int8_storage`).
+            Only None with eviction.
         eviction: None (default: every position is kept) or a
             :class:`~attnkit.modules.sink_window.SinkWindow`: attention sinks
             and a recent window in constant memory. The cache then assigns
             positions itself (none may be given) and takes no ``capacity``
-            (nor int8 storage, whose codes each eviction would round again).
+            and no ``dtype``: each eviction re-rotates the kept keys, which
+            16-bit or int8 storage would round again every time. It cannot
+            be cropped (an eviction cannot be undone).
 
     ``len(cache)`` is the number of slots held (the same for every row);
     ``cache.keys`` and ``cache.values`` are views of them (float storage;
@@ -75,10 +91,10 @@ class KVCache(_Ownership):
     dtype). While every call gives no positions, slot j holds position j (the
     fast path); explicit positions (B, T) are stored per row, so rows may sit
     at different positions (``cache.positions``). ``reset()`` empties it for
-    a new sequence; ``crop(n)`` rewinds it to its first n slots. Held keys and
-    values are constants: gradients reach only those of the current call. A
-    cache filled under ``torch.inference_mode()`` may be used outside it (its
-    storage is then copied once into ordinary tensors).
+    a new sequence; ``crop(n)`` rewinds it to its first n slots (without
+    eviction). Held keys and values are constants: gradients reach only those
+    of the current call. A cache filled under ``torch.inference_mode()`` may be
+    used outside it (its storage is then copied once into ordinary tensors).
     """
 
     _kind = "KVCache"
@@ -102,7 +118,8 @@ class KVCache(_Ownership):
         shape = None if dims is None else (dims[0], dims[1], self._length, dims[2])
         stored = "" if self.dtype is None else f", dtype={self.dtype}"
         evicts = "" if self.eviction is None else f", eviction={self.eviction!r}, seen={self.seen}"
-        return f"KVCache(len={self._length}, capacity={self.capacity}, shape={shape}{stored}{evicts})"
+        capacity = self.capacity if self.eviction is None else self.eviction.capacity
+        return f"KVCache(len={self._length}, capacity={capacity}, shape={shape}{stored}{evicts})"
 
     def __len__(self) -> int:
         return self._length
@@ -123,8 +140,9 @@ class KVCache(_Ownership):
         return None if self._pos is None else self._pos[:, : self._length]
 
     def keys_and_values(self, dtype: torch.dtype | None = None) -> CachedKeys | None:
-        """The keys (B, G, S, D) and values (B, G, S, Dv) held and their positions, as ``dtype`` (None: as stored,
-        float32 from int8 storage); None before the first update."""
+        """The keys (B, G, S, D) and values (B, G, S, Dv) held and their positions, as ``dtype``, a floating torch
+        dtype (None: as stored, float32 from int8 storage); None before the first update."""
+        _check_read_dtype(dtype)
         if self._store.allocated == 0:
             return None
         held = self._store.held(self._length, self.positions)
@@ -176,6 +194,7 @@ class KVCache(_Ownership):
         Growth and eviction write new storage and an append writes past what is
         held, so the checkpoint's tensors stay valid: :meth:`restore` only puts them back.
         """
+        self._check_owner(owner)  # another layer's cache: say so first (its rope may well be the same)
         if self.eviction is not None:
             self.eviction.check_owner(owner)
         before = self._claim_owner(owner)
@@ -197,7 +216,14 @@ class KVCache(_Ownership):
 
         Storage is reused: slots past ``length`` are overwritten by the next update,
         so views of the held keys and values taken before a crop change with it.
+        A cache with eviction refuses: a crop cannot bring back what an eviction
+        dropped, nor undo the re-rotation of what it kept.
         """
+        if self.eviction is not None:
+            raise ValueError(f"a KVCache with eviction={self.eviction!r} cannot be cropped: an eviction cannot be "
+                             "undone (the keys it dropped are gone and those it kept were moved and re-rotated), so a "
+                             "cropped cache would differ from one that never saw the calls; reset() it and feed the "
+                             "tokens again")
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
             raise ValueError(f"crop length must be an int in [0, {self._length}], got {length!r}")
         self._length = length
@@ -259,7 +285,7 @@ class KVCache(_Ownership):
         """Drop the slots the eviction policy evicts before k, v (B, G, T, D) are stored, re-rotating the keys
         that move."""
         policy = self.eviction
-        assert policy is not None and isinstance(self._store, FloatStorage)  # int8 storage takes no eviction
+        assert policy is not None and isinstance(self._store, FloatStorage)  # only dtype=None takes eviction
         count = policy.evicted_before(self._length, k.shape[2])
         if not count:
             return

@@ -32,6 +32,13 @@ from torch import Tensor
 from attnkit.functional import RotaryEmbedding
 
 
+def _rotation(rope: object) -> tuple[object, ...] | None:
+    """What a rotary embedding computes, for comparing two: its class and configuration (None: no rotation)."""
+    if not isinstance(rope, RotaryEmbedding):
+        return None if rope is None else (rope,)  # something else: itself
+    return (type(rope), rope.head_dim, rope.base, rope.scaling)
+
+
 def _count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"SinkWindow {name} must be an int >= 1, got {name}={value!r}")
@@ -66,7 +73,11 @@ class SinkWindow:
     positions (the causal band, a layer's score or mask modifiers) reads these
     in-cache positions. The policy holds no tokens (the cache does: ``len(cache)``
     keys held, ``cache.seen`` tokens stored since its last reset), so one
-    policy may serve every cache of layers that share a rotary embedding.
+    policy may serve every cache of layers that rotate alike (rotary
+    embeddings are compared by what they compute: class, head_dim, base,
+    scaling). A cache with eviction stores the layer's dtype (16-bit or
+    int8 storage would round the kept keys again at each re-rotation) and
+    cannot be cropped.
     """
 
     def __init__(self, *, sinks: int = 4, window: int = 1020, rope: RotaryEmbedding | None, chunk: int = 64) -> None:
@@ -111,10 +122,14 @@ class SinkWindow:
                              "give the cache its own layer's rotary embedding")
 
     def check_owner(self, owner: object) -> None:
-        """The layer writing to the cache must rotate its keys with this rotary embedding (else an eviction would
-        rotate them by another rotation, silently)."""
+        """The layer writing to the cache must rotate its keys as this rotary embedding does (else an eviction would
+        rotate them by another rotation, silently).
+
+        Rotary embeddings are compared by what they compute (their class, head_dim, base and scaling), not by
+        identity: a copied or unpickled cache holds a copy of its layer's, which rotates alike.
+        """
         layers_rope = getattr(owner, "rope", self.rope)  # a layer has one (None without rotary embeddings)
-        if layers_rope is not self.rope:
+        if _rotation(layers_rope) != _rotation(self.rope):
             raise ValueError(f"this SinkWindow rotates evicted keys with {self.rope!r} but the layer writing to it "
                              f"({type(owner).__name__}) rotates them with {layers_rope!r}: build the SinkWindow with "
                              "rope=layer.rope (None only for a layer without rotary embeddings)")
