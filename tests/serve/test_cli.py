@@ -112,6 +112,24 @@ def test_each_request_prints_one_line_unless_no_access_log(tiny: Path, tmp_path:
         assert "completion_tokens=2 " in lines[0] and "hello" not in lines[0]
 
 
+def test_serve_answers_at_once_while_its_decode_step_compiles_and_says_so(tiny: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (--compile here: the test harness serves eagerly unless told): the eager step answers while the
+    compiled one is built in the background; the log and /health say so (the server is stopped mid-compile)."""
+    monkeypatch.setenv("ATTNKIT_CACHE", str(tmp_path / "cache"))  # inherited by the server: its compile cache
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    process = ServerProcess.attnkit("--gguf", str(tiny), "--kv-memory", "1", "--compile", threads=1,
+                                    log=tmp_path / "server.log")
+    try:
+        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(process.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        health = httpx.get(process.url + "/health", timeout=10).json()
+    finally:
+        process.stop()
+    assert health["status"] == "ok" and health["compile"]["state"] in ("compiling", "ready"), health
+    assert "compiling the decode step in the background (cold)" in (tmp_path / "server.log").read_text()
+
+
 # --threads, --device, --kv-dtype, --compile and --cache mean the same on generate, chat and serve.
 
 SHARED = ("--threads", "--device", "--kv-dtype", "--compile", "--cache")
@@ -160,8 +178,7 @@ def test_a_bad_shared_option_is_refused_alike_by_every_command(command: str, opt
 @pytest.mark.parametrize(("option", "says"), [
     (["--kv-dtype", "int8"], "--kv-dtype int8 is generate's and chat's int8 cache; attnkit serve's paged KV pool "
                              "stores float32, bfloat16 or float16"),
-    (["--compile"], "--compile compiles generate's and chat's decoding step over static caches; attnkit serve's "
-                    "paged engine runs eagerly"),
+    (["--compile", "--no-compile"], "--compile and --no-compile contradict each other: give one"),
     (["--cache", "sink:4,1020"], "--cache sink:4,1020 keeps a window for generate and chat; attnkit serve's paged "
                                  "pool keeps every position"),
 ])

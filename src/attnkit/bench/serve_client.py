@@ -61,10 +61,12 @@ class ServerProcess:
 
     @classmethod
     def attnkit(cls, *options: str, log: Path, threads: int = 2) -> ServerProcess:
-        """``attnkit serve`` with ``options``."""
+        """``attnkit serve`` with ``options``; with the eager decode step unless they say ``--compile`` (a background
+        compile would take a core from what is measured or tested)."""
         port = free_port()
+        eager = [] if "--compile" in options else ["--no-compile"]
         return cls([sys.executable, "-m", "attnkit.cli", "serve", "--port", str(port), "--threads", str(threads),
-                    *options], port=port, log=log)
+                    *eager, *options], port=port, log=log)
 
     def log(self) -> str:
         self._log.flush()

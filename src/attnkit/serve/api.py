@@ -252,9 +252,13 @@ def create_app(server: Server, *, cors_origins: Sequence[str] = ("*",)) -> Any:
 
     @app.get("/health")
     async def health() -> Any:
+        """{"status": "ok"}, and with an engine that compiles its decode step, that step's state under "compile"
+        (:meth:`~attnkit.serve.engine.Engine.compile_status`: compiling, ready or failed, with seconds and error);
+        503 with the error once the engine died."""
         if server.serves_text and not server.engine.alive:
             return responses.JSONResponse({"status": "error", "error": repr(server.engine.error)}, status_code=503)
-        return {"status": "ok"}
+        compiled = server.engine.compile_status() if server.serves_text else {"state": "off"}
+        return {"status": "ok"} if compiled["state"] == "off" else {"status": "ok", "compile": compiled}
 
     @app.get("/metrics")
     async def metrics() -> Any:

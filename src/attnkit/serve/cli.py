@@ -8,10 +8,13 @@
     attnkit serve --alias gpt-4o-mini --cors-origins http://localhost:3000   # an app's model id, its page's origin
     attnkit serve --chat-template-file qwen2.5-tools.jinja  # a template that offers tools (tool calls)
     attnkit serve --threads 4              # beside other workers: give each process its share of the cores
+    attnkit serve --no-compile             # the eager decode step only (no background compile)
 
 --threads, --device, --kv-dtype, --compile and --cache are generate's and chat's options, with their help texts
 (:func:`~attnkit.models.runtime_options.add_runtime_options`); what the paged engine cannot do (int8 blocks,
-a compiled step, sink caches, a GPU) is refused by name, never ignored.
+sink caches, a GPU) is refused by name, never ignored. The decode step is compiled by default
+(:mod:`attnkit.serve.graph`): the server answers at once with the eager step and switches when the compiled one
+is ready (the log and ``/health`` say when); ``--no-compile`` keeps the eager step.
 
 Imports stay light: torch, the model and FastAPI load only when the command runs.
 """
@@ -85,6 +88,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-access-log", action="store_true",
                    help="print no line per request (by default each request prints one on stderr: time, method, "
                    "path, status, prompt and completion tokens, seconds; never the prompt)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="serve with the eager decode step only. By default the decode step is compiled "
+                   "(torch.compile) in the background while the eager step answers, and used once ready (the "
+                   "log and /health say when; a failure leaves the eager step serving); the compiled step is "
+                   "kept under attnkit's cache folder, so a restart is ready sooner. --compile says the default")
     add_runtime_options(p)
     p.set_defaults(func=_serve)
 
@@ -94,9 +102,8 @@ def refuse_unserved(args: argparse.Namespace) -> None:
     if args.kv_dtype == "int8":
         raise ValueError("--kv-dtype int8 is generate's and chat's int8 cache; attnkit serve's paged KV pool stores "
                          "float32, bfloat16 or float16: choose one of those")
-    if args.compile:
-        raise ValueError("--compile compiles generate's and chat's decoding step over static caches; attnkit "
-                         "serve's paged engine runs eagerly: drop --compile")
+    if args.compile and args.no_compile:
+        raise ValueError("--compile and --no-compile contradict each other: give one")
     if args.cache != "full":
         raise ValueError(f"--cache {args.cache} keeps a window for generate and chat; attnkit serve's paged pool "
                          "keeps every position: use --cache full (the default)")
@@ -195,6 +202,7 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
 
     from .api import Server
     from .engine import Engine
+    from .graph import LOG as COMPILE_LOG
 
     set_threads(args)
     embedder = _embedder() if EMBEDDING_MODEL in (args.model, args.embeddings) else None
@@ -214,9 +222,11 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
         tokenizer.chat_template = _read_template(args.chat_template_file)
         tokenizer.template_name = f"the chat template of {args.chat_template_file}"
     name = (args.model or "smollm2") if args.gguf is None else str(path).rsplit("/", 1)[-1].removesuffix(".gguf")
+    if not args.no_compile:
+        _print_log(COMPILE_LOG)  # when the compiled step starts, is ready, or failed
     engine = Engine(model, model.decode, kv_memory_mib=args.kv_memory, block_size=args.block_size,
                     max_batch=args.max_batch, max_waiting=args.max_waiting,
-                    kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype)
+                    kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype, compile=not args.no_compile)
     engine.start()
     server = Server(engine, model.tokenizer, model_name=name, aliases=args.alias or (),
                     api_key=args.api_key, context_length=model.context_length, embedder=embedder)

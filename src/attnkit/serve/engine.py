@@ -6,6 +6,8 @@ The engine ties three parts together, each in its own file:
   (admission, preemption, prefix reuse, the prefill budget);
 - :class:`attnkit.serve.runner.Runner`: the step's rows through the model
   over the paged pool, and each request's next token;
+- :class:`attnkit.serve.graph.CompiledDecode` (``compile=True``): the
+  all-decode step compiled in the background, run once it is ready;
 - this module: the thread, the events each request's callback receives,
   cancellation and metrics.
 
@@ -44,7 +46,9 @@ from attnkit.models.sampling import row_seeds
 from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
+from .compile_cache import CompileCache
 from .grammar import Constraint
+from .graph import compile_in_background
 from .paged import PagedKVPool
 from .runner import Choice, Runner, batches
 from .scheduler import Request, Row, Scheduler
@@ -76,8 +80,8 @@ def _pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) ->
     if stored is None:
         return model_dtype
     if stored is torch.int8:
-        raise ValueError("kv_dtype=int8 is generate()'s Int8KVCache; the paged pool stores None (the model's dtype), "
-                         "bfloat16 or float16")
+        raise ValueError("kv_dtype=int8 is generate()'s KVCache(dtype=torch.int8); the paged pool stores None "
+                         "(the model's dtype), bfloat16 or float16")
     if model_dtype != torch.float32:
         raise ValueError(f"kv_dtype={stored} stores a float32 model's keys in fewer bytes; this model computes in "
                          f"{model_dtype}: use kv_dtype=None")
@@ -99,11 +103,19 @@ class Engine:
         kv_dtype: the dtype the pool stores keys and values in: None (the
             model's), or bfloat16 / float16 under a float32 model: twice the
             blocks in ``kv_memory_mib`` (attention reads the rounded keys).
+        compile: compile the all-decode step (:mod:`attnkit.serve.graph`) in
+            a background thread from construction on; the eager step serves
+            until it is ready (:meth:`compile_status`, :meth:`wait_compiled`),
+            and on if it fails. Greedy tokens equal the eager step's with
+            float32 weights.
+        compile_cache: where the compiled step is kept (default: under
+            attnkit's cache folder, :meth:`CompileCache.for_model`).
     """
 
     def __init__(self, model: Any, decode: Callable[[list[int]], str], *, kv_memory_mib: float = 256,
                  block_size: int = 16, max_batch: int = 16, token_budget: int = 512, max_waiting: int = 256,
-                 kv_dtype: torch.dtype | str | None = None) -> None:
+                 kv_dtype: torch.dtype | str | None = None, compile: bool = False,
+                 compile_cache: CompileCache | None = None) -> None:
         config = model.config
         dtype = _pool_dtype(next(model.parameters()).dtype, kv_dtype)
         per_block = PagedKVPool.bytes_per_block(num_layers=config.num_layers, block_size=block_size,
@@ -118,7 +130,8 @@ class Engine:
                                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_batch=max_batch, token_budget=token_budget)
-        self.runner = Runner(model, self.pool)
+        self.graph = compile_in_background(model, dtype, compile_cache) if compile else None
+        self.runner = Runner(model, self.pool, self.graph)
         self._inbox: deque[Request] = deque()  # submitted, not yet seen by the engine thread
         self._ids = itertools.count()
         self._lock = threading.Condition()
@@ -190,6 +203,16 @@ class Engine:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    def compile_status(self) -> dict[str, Any]:
+        """The compiled decode step's state: {"state": "off"} without ``compile``, else
+        :meth:`attnkit.serve.graph.CompiledDecode.status` ("compiling", "ready" or "failed", with its seconds,
+        error and the steps it ran)."""
+        return {"state": "off"} if self.graph is None else self.graph.status()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compile ends (or ``timeout`` seconds); True if decode steps now run compiled."""
+        return self.graph is not None and self.graph.wait(timeout)
 
     @property
     def alive(self) -> bool:

@@ -8,9 +8,10 @@ module only moves tensors.
 
 For each forward, the engine describes the batch once (:class:`PagedBatch`:
 where each new token is written, which slots each row reads, at which
-positions), and every layer's :class:`PagedLayerCache` uses it through the
-cache protocol of :mod:`attnkit.modules.kv_cache`, so the decoder and
-``MultiHeadAttention`` run unchanged. Reading gathers each row's slots into a
+positions) and hands the model one :class:`PagedLayerCache` per layer over it
+(:func:`layer_caches`: plain tensors, so that a compiled step builds them
+inside its graph), which serve the cache protocol of :mod:`attnkit.modules.kv_cache`:
+the decoder and ``MultiHeadAttention`` run unchanged. Reading gathers each row's slots into a
 contiguous (B, G, S, D) tensor, then attends with the usual kernels.
 
 Legend: B sequences in the batch, T new tokens per row, S positions read per
@@ -65,8 +66,12 @@ class PagedKVPool:
         shape = (self.spare + 1, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.batch: PagedBatch | None = None
-        self.layers = [PagedLayerCache(self, i) for i in range(num_layers)]
+        self.batch: PagedBatch | None = None  # what :attr:`layers` read
+
+    @property
+    def layers(self) -> list[PagedLayerCache]:
+        """One cache per layer over :attr:`batch` (set it first): what a model's ``forward`` takes."""
+        return layer_caches(self.k, self.v, self.batch)
 
     @staticmethod
     def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -75,11 +80,20 @@ class PagedKVPool:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-class PagedLayerCache:
-    """One layer's view of the pool: the cache protocol over the current :class:`PagedBatch`."""
+def layer_caches(ks: Sequence[Tensor], vs: Sequence[Tensor], batch: PagedBatch | None) -> list[PagedLayerCache]:
+    """One :class:`PagedLayerCache` per layer over the pool's tensors ``ks``, ``vs`` (N, G, D) and ``batch``."""
+    return [PagedLayerCache(k, v, batch) for k, v in zip(ks, vs, strict=True)]
 
-    def __init__(self, pool: PagedKVPool, layer: int) -> None:
-        self.pool, self.layer = pool, layer
+
+class PagedLayerCache:
+    """One layer's storage (N, G, D) seen through one forward's :class:`PagedBatch`: the cache protocol.
+
+    Built for each forward (:func:`layer_caches`): plain tensors in, so that a compiled step
+    (:mod:`attnkit.serve.graph`) builds it inside its graph.
+    """
+
+    def __init__(self, keys: Tensor, values: Tensor, batch: PagedBatch | None) -> None:
+        self.keys, self.values, self.batch = keys, values, batch
 
     def next_positions(self, batch: int, length: int, device: torch.device) -> int | Tensor:
         raise ValueError("a paged cache needs explicit positions (the engine gives them)")
@@ -92,16 +106,16 @@ class PagedLayerCache:
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Write k, v (B, G, T, D) to the batch's slots; return every row's keys (B, G, S, D) and positions."""
-        batch = self.pool.batch
+        batch = self.batch
         if batch is None or positions is None:
             raise ValueError("a paged cache is read through a PagedBatch with explicit positions")
-        keys, values = self.pool.k[self.layer], self.pool.v[self.layer]  # (N, G, D)
-        slots = batch.write_slots.reshape(-1)  # (B * T,)
-        k, v = k.to(keys.dtype), v.to(values.dtype)  # a pool may store fewer bytes (Engine(kv_dtype=...))
-        keys.index_copy_(0, slots, k.transpose(1, 2).reshape(-1, *keys.shape[1:]))  # (B, G, T, D) -> (B*T, G, D)
-        values.index_copy_(0, slots, v.transpose(1, 2).reshape(-1, *values.shape[1:]))
-        k_all = keys[batch.read_slots].transpose(1, 2)  # (B, S, G, D) -> (B, G, S, D)
-        v_all = values[batch.read_slots].transpose(1, 2)
+        # (B, G, T, D) -> (B, T, G, D) at slots (B, T), in the pool's dtype (Engine(kv_dtype=...) may store fewer
+        # bytes): no flattened copy of the projection's view (which index_copy_ needed: slower at decode), and no
+        # guard on B inside a compiled step
+        self.keys.index_put_((batch.write_slots,), k.transpose(1, 2).to(self.keys.dtype))
+        self.values.index_put_((batch.write_slots,), v.transpose(1, 2).to(self.values.dtype))
+        k_all = self.keys[batch.read_slots].transpose(1, 2)  # (B, S, G, D) -> (B, G, S, D)
+        v_all = self.values[batch.read_slots].transpose(1, 2)
         return CachedKeys(k_all, v_all, batch.key_positions)
 
     write = update  # nothing to check: the engine built the batch

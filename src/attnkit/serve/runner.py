@@ -2,7 +2,8 @@
 
 The runner builds the step's :class:`attnkit.serve.paged.PagedBatch` once
 (where each new token is written, which slots each row reads), runs the
-model's ``step`` over it and samples every finished row with its own options
+model's ``step`` over it (an all-decode step through the compiled graph once it
+is ready: :mod:`attnkit.serve.graph`) and samples every finished row with its own options
 and seed (:mod:`attnkit.models.sampling`: the same random numbers, penalties
 and sampler as ``generate`` alone), with its logprobs when asked for. A row's
 ``logit_bias`` is added to its logits first; then a row whose request carries
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .paged import PagedBatch, PagedKVPool
+from .graph import CompiledDecode
+from .paged import PagedBatch, PagedKVPool, layer_caches
 from .scheduler import Request, Row
 
 
@@ -39,10 +41,11 @@ def batches(rows: list[Row]) -> list[list[Row]]:
 
 
 class Runner:
-    """Runs rows of requests through ``model`` (an attnkit decoder) over ``pool``."""
+    """Runs rows of requests through ``model`` (an attnkit decoder) over ``pool``; all-decode steps through
+    ``graph`` once it is ready (:mod:`attnkit.serve.graph`), every other step eagerly."""
 
-    def __init__(self, model: Any, pool: PagedKVPool) -> None:
-        self.model, self.pool = model, pool
+    def __init__(self, model: Any, pool: PagedKVPool, graph: CompiledDecode | None = None) -> None:
+        self.model, self.pool, self.graph = model, pool, graph
         # each penalised request's History, dropped with the request (its last reference gone)
         self.histories: weakref.WeakKeyDictionary[Request, History] = weakref.WeakKeyDictionary()
 
@@ -56,12 +59,13 @@ class Runner:
             ids[b, width - row.length :] = torch.tensor(row.request.tokens[start : start + row.length])
             positions[b, width - row.length :] = torch.arange(start, start + row.length)
         lengths = [row.request.computed + row.length for row in rows]
-        self.pool.batch = PagedBatch.build([row.request.blocks for row in rows], positions, lengths,
-                                           self.pool.block_size, self.pool.spare)
-        try:
-            return self.model.step(ids, positions, self.pool.layers)  # (B, V): the last column is real
-        finally:
-            self.pool.batch = None
+        batch = PagedBatch.build([row.request.blocks for row in rows], positions, lengths, self.pool.block_size,
+                                 self.pool.spare)
+        if width == 1 and self.graph is not None and self.graph.ready:
+            logits = self.graph(ids, positions, batch, self.pool.k, self.pool.v)  # (B, V); None: run eagerly
+            if logits is not None:
+                return logits
+        return self.model.step(ids, positions, layer_caches(self.pool.k, self.pool.v, batch))  # (B, V)
 
     def sample(self, requests: list[Request], logits: Tensor) -> list[Choice]:
         """Each request's next token from its row of ``logits`` (B, V), grouped by sampling options, with the
