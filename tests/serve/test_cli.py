@@ -190,10 +190,55 @@ def test_serve_refuses_what_its_engine_cannot_honour_naming_it(option: list[str]
     assert err.count("\n") == 1 and says in err
 
 
-@pytest.mark.skipif(not torch_cuda(), reason="serve's refusal of a GPU, on a machine that has one")
-def test_serve_refuses_a_gpu_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "--gguf", "missing.gguf", "--device", "cuda"]) == 2
-    assert "--device cuda: attnkit serve runs on the CPU" in capsys.readouterr().err
+@pytest.mark.skipif(torch_cuda(), reason="a GPU that is not here; this machine has one")
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_a_gpu_this_machine_lacks_is_refused_alike_by_every_command(command: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--device means the same on generate, chat and serve (issue 38): serve no longer refuses every GPU, and one
+    that is not here is refused before the load, in generate's words."""
+    prompt = ["hi"] if command == "generate" else []
+    assert main([command, "--gguf", "missing.gguf", "--device", "cuda", *prompt]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda asked for, but this PyTorch" in err and "sees no CUDA GPU" in err
+
+
+def test_serve_refuses_a_gpu_for_embeddings_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """MiniLM computes on the CPU: --device cuda with --model minilm would be ignored, so it is refused."""
+    assert main(["serve", "--model", "minilm", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model minilm computes its embeddings on the CPU: drop --device" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch_cuda(), reason="needs a CUDA device")
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_packed_weights_on_a_gpu_are_refused_alike(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = ["hi"] if command == "generate" else []
+    assert main([command, "--gguf", "missing.gguf", "--device", "cuda", "--weights", "int4", *prompt]) == 2
+    err = capsys.readouterr().err
+    says = "--weights int4 packs the weights for PyTorch's CPU kernels; on --device cuda they stay plain"
+    assert err.count("\n") == 1 and says in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch_cuda(), reason="needs a CUDA device")
+def test_serve_on_a_gpu_answers_as_on_the_cpu_and_says_where(tiny: Path, tmp_path: Path) -> None:
+    """attnkit serve --device cuda loads the model on the GPU (float32 weights, as generate) and serves from a
+    pool there: the greedy answer of the CPU server with the same weights, and the banner names the GPU."""
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 8, "temperature": 0}
+    texts = {}
+    for device in ("cpu", "cuda"):
+        process = ServerProcess.attnkit("--gguf", str(tiny), "--kv-memory", "1", "--weights", "float32",
+                                        "--device", device, threads=1, log=tmp_path / f"{device}.log")
+        try:
+            reply = httpx.post(process.url + "/v1/completions", json=body, timeout=60)
+        finally:
+            process.stop()
+        assert reply.status_code == 200, reply.text
+        texts[device] = reply.json()["choices"][0]["text"]
+    assert texts["cuda"] == texts["cpu"]
+    (banner,) = [line for line in (tmp_path / "cuda.log").read_text().splitlines() if "attnkit serve:" in line]
+    assert "(float32 weights, cuda, " in banner
 
 
 def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path) -> None:

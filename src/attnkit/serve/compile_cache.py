@@ -3,7 +3,7 @@
 Under attnkit's cache folder (``$ATTNKIT_CACHE`` or ``~/.cache/attnkit``, then
 ``compile/``): PyTorch's portable cache artifacts
 (``torch.compiler.save_cache_artifacts``) in one file per (torch, CPU
-capability, model, weight form, dtypes), behind a one-line JSON header that
+capability, model, weight form, dtypes, and the GPU off the CPU), behind a one-line JSON header that
 names that key and the payload's SHA-256; and, unless
 ``TORCHINDUCTOR_CACHE_DIR`` is set already, Inductor's own cache (the compiled
 kernels: without them a restart runs the C++ compiler again), in a folder per
@@ -46,9 +46,12 @@ class CompileCache:
     def for_model(cls, model: Any, kv_dtype: torch.dtype, folder: Path | None = None) -> CompileCache:
         """The cache of ``model``'s decode step over a pool of ``kv_dtype``, under ``folder`` (default: attnkit's
         cache folder's ``compile/``)."""
+        parameter = next(model.parameters())
         key = {"format": FORMAT, "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
                "model": type(model).__name__, "config": repr(model.config), "weights": weight_form(model),
-               "dtype": str(next(model.parameters()).dtype), "kv_dtype": str(kv_dtype)}
+               "dtype": str(parameter.dtype), "kv_dtype": str(kv_dtype)}
+        if parameter.device.type != "cpu":  # a GPU's kernels; the CPU's key (and its files) as before
+            key["device"] = _device_name(parameter.device)
         return cls(folder if folder is not None else cache_dir() / "compile", key)
 
     def use_kernel_folder(self) -> None:
@@ -91,6 +94,14 @@ class CompileCache:
         partial.replace(self.path)
 
 
+def _device_name(device: torch.device) -> str:
+    """A GPU as its compiled kernels depend on it: its type, name and compute capability."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"cuda {torch.cuda.get_device_name(device)} sm_{major}{minor}"
+
+
 def _checked(data: bytes, key: dict[str, str]) -> tuple[bytes, str | None]:
     """A cache file's payload, and why it must not be loaded (None: it may)."""
     line, _, payload = data.partition(b"\n")
@@ -101,7 +112,7 @@ def _checked(data: bytes, key: dict[str, str]) -> tuple[bytes, str | None]:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         return b"", "not attnkit's format"
     if header.get("key") != key:
-        return b"", "compiled for another torch, CPU, model or dtype"
+        return b"", "compiled for another torch, CPU, GPU, model or dtype"
     if header.get("sha256") != hashlib.sha256(payload).hexdigest():
         return b"", "its checksum does not match"
     return payload, None

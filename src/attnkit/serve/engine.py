@@ -24,6 +24,10 @@ Sampled tokens equal ``generate`` alone up to rounding with float32 /
 float16 weights; with int8 / int4 weights a batch moves the logits by tenths
 and a sampled request generally differs from the same request alone.
 
+The engine runs on its model's device (the CPU, or a GPU once ``model.to("cuda")``):
+the pool, each step's ids, positions and slots, and the sampling all live
+there; tokens come back to the host once per step.
+
 The engine runs in a thread of its own (:meth:`Engine.start`); other threads
 only :meth:`submit` and :meth:`cancel`. Every event of a request goes to its
 ``on_event`` callback, called from the engine thread.
@@ -88,6 +92,22 @@ def _pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) ->
     return stored
 
 
+def _engine_device(model: Any, device: torch.device | str | None) -> torch.device:
+    """The device the engine runs on: the model's parameters', which ``device``, if given, must name."""
+    held, given = next(model.parameters()).device, None if device is None else str(device)
+    try:
+        asked = held if device is None else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Engine(device={given!r}) is not a device: expected cpu, cuda or cuda:N") from None
+    if "meta" in (held.type, asked.type):
+        raise ValueError(f"Engine(device={given!r}) with the model's parameters on {held}: the meta device holds "
+                         "shapes, no numbers; serve a model on the cpu or a GPU (its weights loaded)")
+    if asked.type != held.type or asked.index not in (None, held.index):
+        raise ValueError(f"Engine(device={given!r}) and the model's parameters on {held}: move the model first "
+                         f"(model.to({given!r})), or leave device=None (the model's)")
+    return held
+
+
 class Engine:
     """Serve a decoder model to many requests at once over a paged KV cache.
 
@@ -110,13 +130,17 @@ class Engine:
             float32 weights.
         compile_cache: where the compiled step is kept (default: under
             attnkit's cache folder, :meth:`CompileCache.for_model`).
+        device: where the pool lives and every step runs: the model's device
+            (None, the default: move the model first, ``model.to("cuda")``);
+            another device than the model's is refused.
     """
 
     def __init__(self, model: Any, decode: Callable[[list[int]], str], *, kv_memory_mib: float = 256,
                  block_size: int = 16, max_batch: int = 16, token_budget: int = 512, max_waiting: int = 256,
                  kv_dtype: torch.dtype | str | None = None, compile: bool = False,
-                 compile_cache: CompileCache | None = None) -> None:
+                 compile_cache: CompileCache | None = None, device: torch.device | str | None = None) -> None:
         config = model.config
+        device = _engine_device(model, device)
         dtype = _pool_dtype(next(model.parameters()).dtype, kv_dtype)
         per_block = PagedKVPool.bytes_per_block(num_layers=config.num_layers, block_size=block_size,
                                                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
@@ -127,7 +151,8 @@ class Engine:
                              f"({per_block / 2**20:.2f} MiB each); give at least {2 * per_block / 2**20:.2f} MiB")
         self.model, self.decode, self.max_waiting = model, decode, max_waiting
         self.pool = PagedKVPool(num_layers=config.num_layers, num_blocks=num_blocks, block_size=block_size,
-                                num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
+                                num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype,
+                                device=device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_batch=max_batch, token_budget=token_budget)
         self.graph = compile_in_background(model, dtype, compile_cache) if compile else None

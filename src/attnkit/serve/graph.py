@@ -19,6 +19,10 @@ runs eagerly and marks the graph failed the same way. That stance holds for
 the whole process while a compiled step runs: one compiling engine per process
 (a second one's background compile could be refused, and would say so).
 
+On a GPU the step is compiled the same way (plain ``torch.compile``, no CUDA
+graph: "reduce-overhead" records one graph per shape, and the batch size and
+the read width change every step), its scratch pool on the live pool's device.
+
 :class:`~attnkit.serve.compile_cache.CompileCache` keeps what a compile produced
 under attnkit's cache folder, so that a restart compiles from it.
 
@@ -72,12 +76,14 @@ def mark_dynamic(ids: Tensor, positions: Tensor, batch: PagedBatch, ks: Sequence
 
 @dataclass(frozen=True)
 class Slots:
-    """A pool's per-layer storage: ``num_layers`` tensors (N, G, D) of ``dtype``, for the scratch pool."""
+    """A pool's per-layer storage: ``num_layers`` tensors (N, G, D) of ``dtype`` on ``device``, for the scratch
+    pool (on the live pool's device: a graph compiled for the CPU does not run on a GPU)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    device: torch.device
 
 
 def warm_up(compiled: Any, model: Any, slots: Slots) -> None:
@@ -86,15 +92,17 @@ def warm_up(compiled: Any, model: Any, slots: Slots) -> None:
     scratch pool's spare slot; the sizes are distinct (B 2, S 3, N 11) so that no two are taken for one. The
     tensors are made as the engine makes them (dynamo guards on it): the pool outside inference mode, each step's
     inside."""
-    n = 11  # scratch slots; the last is the spare
-    ks = [torch.zeros(n, slots.num_kv_heads, slots.head_dim, dtype=slots.dtype) for _ in range(slots.num_layers)]
+    n, device = 11, slots.device  # scratch slots, the last the spare
+    ks = [torch.zeros(n, slots.num_kv_heads, slots.head_dim, dtype=slots.dtype, device=device)
+          for _ in range(slots.num_layers)]
     vs = [torch.zeros_like(k) for k in ks]
     for b in (2, 1):
         with torch.inference_mode():
-            ids = torch.zeros(b, 1, dtype=torch.long)  # (B, 1)
-            positions = torch.full((b, 1), 2, dtype=torch.long)  # (B, 1): the third position of each row
-            read = torch.arange(3).expand(b, 3).clone()  # (B, S): slots 0, 1, 2, at positions 0, 1, 2
-            batch = PagedBatch(torch.full((b, 1), n - 1, dtype=torch.long), read, read.clone())  # writes: the spare
+            ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # (B, 1)
+            positions = torch.full((b, 1), 2, dtype=torch.long, device=device)  # (B, 1): each row's third position
+            read = torch.arange(3, device=device).expand(b, 3).clone()  # (B, S): slots 0, 1, 2 at positions 0, 1, 2
+            write = torch.full((b, 1), n - 1, dtype=torch.long, device=device)  # (B, 1): the spare slot
+            batch = PagedBatch(write, read, read.clone())
             mark_dynamic(ids, positions, batch, ks, vs)
             compiled(model, ids, positions, batch.write_slots, batch.read_slots, batch.key_positions, ks, vs)
 
@@ -189,10 +197,10 @@ class CompiledDecode:
 
 
 def compile_in_background(model: Any, kv_dtype: torch.dtype, cache: CompileCache | None = None) -> CompiledDecode:
-    """``model``'s decode step over a pool of ``kv_dtype``, compiling from now on; kept in ``cache`` (default:
-    :meth:`CompileCache.for_model`, under attnkit's cache folder)."""
+    """``model``'s decode step over a pool of ``kv_dtype`` on the model's device, compiling from now on; kept in
+    ``cache`` (default: :meth:`CompileCache.for_model`, under attnkit's cache folder)."""
     config = model.config
-    slots = Slots(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype)
+    slots = Slots(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, next(model.parameters()).device)
     graph = CompiledDecode(model, slots, cache if cache is not None else CompileCache.for_model(model, kv_dtype))
     graph.start()
     return graph

@@ -69,6 +69,11 @@ class PagedKVPool:
         self.batch: PagedBatch | None = None  # what :attr:`layers` read
 
     @property
+    def device(self) -> torch.device:
+        """Where the storage lives: each step's ids, positions and :class:`PagedBatch` are built there."""
+        return self.k[0].device
+
+    @property
     def layers(self) -> list[PagedLayerCache]:
         """One cache per layer over :attr:`batch` (set it first): what a model's ``forward`` takes."""
         return layer_caches(self.k, self.v, self.batch)

@@ -1,9 +1,10 @@
 """One step's rows through the model over the paged pool, then each request's next token.
 
 The runner builds the step's :class:`attnkit.serve.paged.PagedBatch` once
-(where each new token is written, which slots each row reads), runs the
-model's ``step`` over it (an all-decode step through the compiled graph once it
-is ready: :mod:`attnkit.serve.graph`) and samples every finished row with its own options
+(where each new token is written, which slots each row reads) on the pool's
+device (the model's: the CPU or a GPU), runs the model's ``step`` over it (an
+all-decode step through the compiled graph once it is ready:
+:mod:`attnkit.serve.graph`) and samples every finished row with its own options
 and seed (:mod:`attnkit.models.sampling`: the same random numbers, penalties
 and sampler as ``generate`` alone), with its logprobs when asked for. A row's
 ``logit_bias`` is added to its logits first; then a row whose request carries
@@ -58,6 +59,8 @@ class Runner:
             start = row.request.computed
             ids[b, width - row.length :] = torch.tensor(row.request.tokens[start : start + row.length])
             positions[b, width - row.length :] = torch.arange(start, start + row.length)
+        device = self.pool.device  # filled row by row on the CPU, then one copy each to a GPU (none on the CPU)
+        ids, positions = ids.to(device), positions.to(device)
         lengths = [row.request.computed + row.length for row in rows]
         batch = PagedBatch.build([row.request.blocks for row in rows], positions, lengths, self.pool.block_size,
                                  self.pool.spare)
@@ -85,8 +88,8 @@ class Runner:
                 counts, seen = _history([requests[b] for b in rows], self.histories, scores.shape[-1],
                                         scores.device)
                 scores = options.penalties(scores, counts, seen)
-            seeds = torch.tensor([requests[b].seed for b in rows])  # (n,)
-            steps = torch.tensor([requests[b].generated for b in rows])  # (n,)
+            seeds = torch.tensor([requests[b].seed for b in rows], device=scores.device)  # (n,)
+            steps = torch.tensor([requests[b].generated for b in rows], device=scores.device)  # (n,)
             tokens = options.sampler(scores, seeds, steps).tolist()
             for i, (b, token) in enumerate(zip(rows, tokens, strict=True)):
                 k = requests[b].options.logprobs
@@ -144,7 +147,7 @@ def _constrain(requests: list[Request], logits: Tensor) -> Tensor:
                                                    f"{tuple(logits.shape[-1:])}"
         if masked is logits:
             masked = logits.clone()
-        masked[b].masked_fill_(~allowed, float("-inf"))
+        masked[b].masked_fill_(~allowed.to(logits.device), float("-inf"))  # a constraint's mask is on the CPU
     return masked
 
 
