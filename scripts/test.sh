@@ -18,7 +18,11 @@ parallel=(-n "${TEST_WORKERS:-2}" --dist loadfile --durations=15)
 .venv/bin/python -m pytest "${parallel[@]}" "$@"
 if [ "$#" -eq 0 ] && [ "$(uname -m)" = x86_64 ]; then
   echo "The weight-form, model and serving tests again, with PyTorch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2):"
-  ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest "${parallel[@]}" -m "not browser and not slow" \
+  # Inductor's own cache of compiled kernels, apart: its key does not name ATEN_CPU_CAPABILITY, and graphs the
+  # first pass compiled, loaded under avx2, decoded wrong tokens (tests/models/test_generation.py's compiled steps)
+  inductor="${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}-avx2"
+  TORCHINDUCTOR_CACHE_DIR="$inductor" ATEN_CPU_CAPABILITY=avx2 \
+    .venv/bin/python -m pytest "${parallel[@]}" -m "not browser and not slow" \
     tests/modules/test_quantize.py tests/modules/test_quantize_refusals.py tests/modules/test_kv_dtype.py \
     tests/models/test_generation.py tests/models/test_llama.py tests/models/test_gemma3.py \
     tests/models/test_penalties.py tests/serve/test_engine.py tests/test_cpu.py
