@@ -44,7 +44,7 @@ class SinkSpec:
     @property
     def capacity(self) -> int:
         """The most positions a cache holds (:attr:`SinkWindow.capacity`)."""
-        return self.sinks + self.window + self.chunk - 1
+        return SinkWindow(sinks=self.sinks, window=self.window, chunk=self.chunk, rope=None).capacity
 
     def caches(self, model: object) -> list[Cache]:
         """One KVCache per attention layer of ``model`` (its blocks' ``attention``), evicting with that layer's
