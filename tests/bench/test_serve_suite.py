@@ -138,12 +138,21 @@ def test_the_suite_adds_the_request_rows_and_keeps_its_rows(monkeypatch: pytest.
     monkeypatch.setattr(serve, "_kv_bytes_per_position", lambda dtype_bytes: 1024)
     monkeypatch.setattr(serve, "offline_ceiling", lambda n, weights, threads: {"output_tokens": 1, "seconds": 1.0,
                                                                                "tokens_per_s": 1.0})
+    monkeypatch.setattr(serve, "wait_compiled", lambda url: 2.0)
+    monkeypatch.setattr(serve, "floor_single", lambda weights, threads: {"output_tokens": 1, "seconds": 1.0,
+                                                                         "tokens_per_s": 2.0})
     rows = serve.run_serve_suite([1], workdir=tmp_path, threads=1, repeats=1)
-    assert [(r["kind"], r.get("contender"), r.get("request")) for r in rows] == [
-        ("skipped", "llama-server", None), ("serve", "attnkit-serve", None),
-        ("serve", "attnkit-generate (offline ceiling)", None), ("request", "attnkit-serve", "plain"),
-        ("request", "attnkit-serve", "n=4"), ("request", "attnkit-serve", "json_schema")]
-    assert rows[-1]["weights"] == "int4" and rows[-1]["threads"] == 1 and "cpu_capability" in rows[-1]
+    assert [(r["kind"], r.get("contender"), r.get("request")) for r in rows[:-1]] == [
+        ("skipped", "llama-server", None), ("serve", "attnkit-serve", None), ("serve", "attnkit-serve (graph)", None),
+        ("serve", "attnkit-generate (offline ceiling)", None), ("serve", "floor (batch 1)", None),
+        ("request", "attnkit-serve", "plain"), ("request", "attnkit-serve", "n=4"),
+        ("request", "attnkit-serve", "json_schema")]
+    assert rows[-2]["weights"] == "int4" and rows[-2]["threads"] == 1 and "cpu_capability" in rows[-2]
+    assert [o[-1] for o in started[:2]] == ["--no-compile", "--compile"]  # eager, then graph mode
+    assert rows[2]["compile_wait_s"] == 2.0
+    graph_vs_floor = rows[-1]  # the graph-mode server against the floor's batch-1 decode
+    assert graph_vs_floor["kind"] == "target" and "floor" in graph_vs_floor["target"]
+    assert graph_vs_floor["measured"] == pytest.approx(rows[2]["tokens_per_s"] / 2.0, abs=1e-3)
     assert started[-1][:2] == ("--max-batch", "4")  # the n = 4 request's choices decode together
 
 

@@ -15,6 +15,12 @@ of its own, one request asking for ``n = 4`` choices and one constrained by
 a JSON schema, each beside plain sampling of the same prompt, ``repeats``
 rounds (rows of kind ``request``: :mod:`.serve_requests`).
 
+attnkit serves twice at every N: with its eager step alone (``--no-compile``)
+and in graph mode, the default (measured once its background compile is ready:
+a warm compile cache makes that quick). The floor contender
+(:mod:`.floor`, what PyTorch alone does on the same weights) decodes the first
+client's prompt at batch 1, the bar issue 35 sets for one client.
+
     python -m attnkit.bench.serve --clients 1 4 16 64
     python -m attnkit.bench.serve --clients 1 --threads 1 --repeats 2   # a short run: minutes
 """
@@ -112,6 +118,39 @@ def _offline_run(clients: int, weights: str) -> dict[str, float]:
             "tokens_per_s": out[:, width:].numel() / wall}
 
 
+def floor_single(weights: str, threads: int, new_tokens: int = 128) -> dict[str, float]:
+    """The floor contender's batch-1 greedy decode of the first client's prompt in weight form ``weights`` on
+    ``threads`` threads: its tokens/s after the first token (what one streaming client sees between tokens)."""
+    from attnkit.models import load_smollm2
+
+    from .floor import Floor
+    from .runner import torch_threads
+
+    with torch_threads(threads):
+        model = load_smollm2(weights=weights)
+        tokenizer: Any = model.tokenizer
+        ids = tokenizer.chat_ids(chat_request(0)["messages"])
+        floor = Floor(model)
+        floor.single(ids, 8)  # warm-up
+        first, rest = floor.single(ids, new_tokens)
+    return {"output_tokens": new_tokens, "seconds": first + rest, "tokens_per_s": (new_tokens - 1) / rest}
+
+
+def wait_compiled(url: str, timeout: float = 900.0) -> float:
+    """Seconds until the attnkit server at ``url`` says its compiled decode step is ready (/health); raises if the
+    compile failed or took longer than ``timeout``."""
+    httpx = require("httpx", "The serve benchmark")
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        state = httpx.get(url + "/health", timeout=5).json().get("compile", {})
+        if state.get("state") == "ready":
+            return time.monotonic() - start
+        if state.get("state") in ("failed", None):
+            raise RuntimeError(f"attnkit serve's compiled step is not ready: {state or 'compile is off'}")
+        time.sleep(1.0)
+    raise RuntimeError(f"attnkit serve's compiled step was not ready within {timeout} s")
+
+
 def served_form() -> str:
     """The weight form ``attnkit serve`` loads SmolLM2 in by default (weights="auto": the fastest of the forms
     measured accurate on it that this CPU runs)."""
@@ -144,16 +183,17 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
         rows.append({"kind": "skipped", "contender": "llama-server", "why": LLAMA_HINT})
     for n in clients:
         positions = 256  # per sequence: ~90 prompt tokens + up to 128 new, rounded up to blocks
-        server = ServerProcess.attnkit("--max-batch", str(n), "--kv-memory", str(n * positions * per_position
-                                                                                 / 2**20 + 8),
-                                       log=work / f"attnkit-{n}.log", threads=threads)
-        try:
-            _round(server.url, "smollm2", min(n, 2))  # warm-up
-            result = _round(server.url, "smollm2", n)
-        finally:
-            server.stop()
-        rows.append({"kind": "serve", **env, "contender": "attnkit-serve", "clients": n, "weights": weights, **result,
-                     "kv_mib_per_sequence": positions * per_position / 2**20})
+        pool = ("--max-batch", str(n), "--kv-memory", str(n * positions * per_position / 2**20 + 8))
+        for name, mode in (("attnkit-serve", "--no-compile"), ("attnkit-serve (graph)", "--compile")):
+            server = ServerProcess.attnkit(*pool, mode, log=work / f"attnkit{mode}-{n}.log", threads=threads)
+            try:
+                ready = {"compile_wait_s": round(wait_compiled(server.url), 1)} if mode == "--compile" else {}
+                _round(server.url, "smollm2", min(n, 2))  # warm-up
+                result = _round(server.url, "smollm2", n)
+            finally:
+                server.stop()
+            rows.append({"kind": "serve", **env, "contender": name, "clients": n, "weights": weights, **result,
+                         **ready, "kv_mib_per_sequence": positions * per_position / 2**20})
         if llama is not None:
             port = free_port()
             ctx = n * positions
@@ -169,6 +209,8 @@ def run_serve_suite(clients: Sequence[int] = (1, 4, 16, 64), *, workdir: Path | 
                          "kv_mib_per_sequence": positions * _kv_bytes_per_position(2) / 2**20})
         rows.append({"kind": "serve", **env, "contender": "attnkit-generate (offline ceiling)", "clients": n,
                      "weights": weights, **offline_ceiling(n, weights, threads)})
+    rows.append({"kind": "serve", **env, "contender": "floor (batch 1)", "clients": 1, "weights": weights,
+                 **floor_single(weights, threads)})
     rows += [{"kind": "request", **env, "contender": "attnkit-serve", "weights": weights, **row}
              for row in request_server_rows(work, threads, per_position, repeats)]
     return rows + serve_targets(rows)
@@ -195,6 +237,22 @@ def serve_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if ours and theirs:
         ratio = ours["ttft_p50_ms"] / theirs["ttft_p50_ms"]
         target("N=16 time to first token p50 vs llama-server", "<= 2x", ratio, ratio <= 2)
+    return out + _engine_targets(by)
+
+
+def _engine_targets(by: dict[tuple[str, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 35's serving targets, for attnkit's default (graph mode): against the floor's batch-1 decode, the
+    offline batched ceiling and llama-server."""
+    out = []
+    pairs = [(1, ("floor (batch 1)", 1), ">= 0.85x", 0.85), (16, ("attnkit-generate (offline ceiling)", 16),
+                                                                ">= 0.85x", 0.85),
+             (1, ("llama-server", 1), ">= 0.5x", 0.5), (16, ("llama-server", 16), ">= 1.5x", 1.5)]
+    for n, other, goal, bar in pairs:
+        ours, theirs = by.get(("attnkit-serve (graph)", n)), by.get(other)
+        if ours and theirs:
+            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            out.append({"kind": "target", "target": f"N={n} graph-mode tokens/s vs {other[0]}", "goal": goal,
+                        "measured": round(ratio, 3), "met": ratio >= bar})
     return out
 
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from attnkit.models.generation_options import kv_storage
 from attnkit.modules.kv_cache import CachedKeys
 
 
@@ -56,6 +58,36 @@ class PagedBatch:
                    torch.where(valid, pos, -1))
 
 
+def pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) -> torch.dtype:
+    """The paged pool's dtype: the model's, or a narrower one under a float32 model."""
+    stored = kv_storage(kv_dtype)
+    if stored is None:
+        return model_dtype
+    if stored is torch.int8:
+        raise ValueError("kv_dtype=int8 is generate()'s KVCache(dtype=torch.int8); the paged pool stores None "
+                         "(the model's dtype), bfloat16 or float16")
+    if model_dtype != torch.float32:
+        raise ValueError(f"kv_dtype={stored} stores a float32 model's keys in fewer bytes; this model computes in "
+                         f"{model_dtype}: use kv_dtype=None")
+    return stored
+
+
+def engine_device(model: Any, device: torch.device | str | None) -> torch.device:
+    """The device the engine runs on: the model's parameters', which ``device``, if given, must name."""
+    held, given = next(model.parameters()).device, None if device is None else str(device)
+    try:
+        asked = held if device is None else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Engine(device={given!r}) is not a device: expected cpu, cuda or cuda:N") from None
+    if "meta" in (held.type, asked.type):
+        raise ValueError(f"Engine(device={given!r}) with the model's parameters on {held}: the meta device holds "
+                         "shapes, no numbers; serve a model on the cpu or a GPU (its weights loaded)")
+    if asked.type != held.type or asked.index not in (None, held.index):
+        raise ValueError(f"Engine(device={given!r}) and the model's parameters on {held}: move the model first "
+                         f"(model.to({given!r})), or leave device=None (the model's)")
+    return held
+
+
 class PagedKVPool:
     """Keys and values of every layer: ``num_blocks`` blocks of ``block_size`` positions each."""
 
@@ -67,6 +99,29 @@ class PagedKVPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.batch: PagedBatch | None = None  # what :attr:`layers` read
+
+    @classmethod
+    def for_model(cls, model: Any, *, kv_memory_mib: float, block_size: int = 16,
+                  kv_dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
+                  ) -> PagedKVPool:
+        """The pool for ``model``'s layers in ``kv_memory_mib`` MiB, on the model's device (which ``device``, if
+        given, must name), storing ``kv_dtype`` (None: the model's dtype; see :func:`pool_dtype`)."""
+        config = model.config
+        held = engine_device(model, device)
+        dtype = pool_dtype(next(model.parameters()).dtype, kv_dtype)
+        per_block = cls.bytes_per_block(num_layers=config.num_layers, block_size=block_size,
+                                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
+        num_blocks = int(kv_memory_mib * 2**20 // per_block)
+        if num_blocks < 2:
+            raise ValueError(f"kv_memory_mib={kv_memory_mib} holds {num_blocks} blocks of {block_size} positions "
+                             f"({per_block / 2**20:.2f} MiB each); give at least {2 * per_block / 2**20:.2f} MiB")
+        return cls(num_layers=config.num_layers, num_blocks=num_blocks, block_size=block_size,
+                   num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype, device=held)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the storage holds keys and values in."""
+        return self.k[0].dtype
 
     @property
     def device(self) -> torch.device:

@@ -23,13 +23,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from attnkit.models.generation_options import GenerationOptions
+from attnkit.models.generation_options import GenerationOptions, check_budget, check_fit
 from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
 
 if TYPE_CHECKING:
     from .grammar import Constraint
+    from .runner import Choice
+
+
+class EngineError(RuntimeError):
+    """The engine cannot take a request (full queue, dead engine)."""
+
+
+class QueueFullError(EngineError):
+    """Too many requests wait already: retry later."""
+
+
+@dataclass
+class Event:
+    """What a request produced in one step: new text, the tokens sampled (a stop id included), and with
+    ``logprobs`` asked for, the :class:`~attnkit.serve.runner.Choice` of each token of the text."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    error: str | None = None
+    logprobs: list[Choice] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -58,6 +79,25 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return self.computed < len(self.tokens) - 1
+
+    def take(self, token: int, context_length: int) -> tuple[str | None, str | None]:
+        """Append a sampled ``token``: the text it shows (None for a stop id: "stop" at once) and the reason the
+        request ends after it, if it does ("stop": a stop string or a complete constraint, "length": its
+        ``max_new_tokens`` or the model's context). Raises ValueError if the constraint cannot take it."""
+        self.tokens.append(token)
+        self.generated += 1
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        if token in self.stop_ids:
+            return None, "stop"
+        piece = self.text.add(token)
+        if self.text.stopped or (self.constraint is not None and self.constraint.done):
+            return piece, "stop"  # nothing after the stop string is shown; nothing may follow the grammar
+        if self.generated >= self.options.max_new_tokens or len(self.tokens) >= context_length:
+            return piece, "length"
+        return piece, None
 
 
 @dataclass(frozen=True)
@@ -94,6 +134,15 @@ class Scheduler:
                 prefill.append(Row(request, chunk))
                 budget -= chunk
         return decoding, prefill
+
+    def gauges(self) -> dict[str, float]:
+        """What /metrics reports of the queue and the KV blocks (Prometheus-style names without the prefix)."""
+        blocks = self.blocks
+        return {"requests_running": len(self.running), "requests_waiting": len(self.waiting),
+                "kv_blocks": blocks.num_blocks, "kv_blocks_free": blocks.free_blocks,
+                "kv_blocks_used": blocks.num_blocks - blocks.free_blocks,
+                "prefix_cache_hit_tokens_total": blocks.hit_tokens, "prompt_tokens_total": self.prompt_tokens,
+                "preemptions_total": self.preemptions}
 
     def written(self, rows: list[Row]) -> None:
         """The rows' tokens are in the pool: their full blocks become reusable prefixes."""
@@ -141,3 +190,18 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.preemptions += 1
+
+
+def check_request(model: Any, prompt: list[int], options: GenerationOptions, capacity: int) -> tuple[int, ...]:
+    """What the engine checks of a request at the door (ValueError naming the problem); its stop ids."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if options.compile or options.sink is not None or options.kv_dtype is not None:
+        raise ValueError("compile, cache and kv_dtype are the engine's settings (Engine(kv_dtype=...)), not a "
+                         f"request's: got compile={options.compile}, cache={options.cache!r}, "
+                         f"kv_dtype={options.kv_dtype}")
+    if min(prompt) < 0 or max(prompt) >= model.vocab_size:
+        raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {model.vocab_size})")
+    stop_ids = check_budget(model, len(prompt), options)
+    check_fit(len(prompt), options.max_new_tokens, capacity, "the server's KV memory")
+    return stop_ids
