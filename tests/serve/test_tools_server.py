@@ -247,6 +247,35 @@ def test_a_model_whose_template_offers_no_tools_is_a_400_naming_tools(template: 
     assert error["param"] == "tools" and says in error["message"] and "--chat-template-file" in error["message"]
 
 
+class PickyWords(ToolWords):
+    """A template that raises (as jinja's raise_exception does) on a tool named "broken", and on a message whose
+    content is "broken"."""
+
+    def chat_ids(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:  # type: ignore[override]
+        if any(m.get("content") == "broken" for m in messages):
+            raise ValueError("the chat template refused a message: broken")
+        if any(t["function"]["name"] == "broken" for t in tools or []):
+            raise ValueError("the chat template refused a tool: broken")
+        return super().chat_ids(messages, tools)
+
+
+@pytest.mark.parametrize(("tools", "content", "param"), [
+    ([{"type": "function", "function": {"name": "broken", "parameters": {"type": "object"}}}], "Hi", "tools"),
+    (TOOLS, "broken", "messages"), (None, "broken", "messages")])
+def test_a_template_that_cannot_render_the_request_names_the_field_at_fault(tools: Any, content: str,
+                                                                            param: str) -> None:
+    """Bug: a template that failed on a tool was a 400 naming `messages`."""
+    fastapi = need("fastapi.testclient")
+    from attnkit.serve.api import Server, create_app
+
+    client = fastapi.TestClient(create_app(Server(_scripted_engine(), PickyWords(), model_name="tiny",
+                                                  context_length=128)))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    r = client.post("/v1/chat/completions", json=body if tools is None else {**body, "tools": tools})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param and "broken" in r.json()["error"]["message"]
+
+
 def test_earlier_calls_for_a_template_without_tool_support_are_a_400_not_dropped() -> None:
     """Bug: a history with an assistant's tool_calls and the tool's result, and no ``tools``, rendered as an empty
     assistant turn: the model never saw the call nor its result, and nothing said so."""

@@ -233,13 +233,23 @@ class Server:
             prompt = self.tokenizer.chat_ids(plain) if offered is None else self.tokenizer.chat_ids(plain,
                                                                                                      tools=offered)
         except ValueError as err:
-            raise bad("messages", str(err)) from err
+            raise bad(self._culprit(plain, offered), str(err)) from err
         stream, usage = self._flags(body)
         options = self._params(body, len(prompt), "messages", chat_logprobs(body))
         grammar = self._grammar(body)
         if forced is not None and grammar is not None:
             raise bad("tool_choice", "forces a tool call, whose answer cannot also follow response_format: give one")
         return Parsed(prompt, options, stream, usage, "messages", choices(body), forced or grammar, syntax)
+
+    def _culprit(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The field a template that failed to render blames: "tools" if the messages render without them."""
+        if tools is None:
+            return "messages"
+        try:
+            self.tokenizer.chat_ids(messages)
+        except ValueError:
+            return "messages"
+        return "tools"
 
     def parse_completion(self, body: Mapping[str, Any]) -> Parsed:
         self._decoder("/v1/completions")
