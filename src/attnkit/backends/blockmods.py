@@ -176,7 +176,11 @@ def block_mods(score_mod: ScoreMod | None, mask_mod: MaskMod | None, *, batch: i
     ``shape``: the call's scores (B, H, T, S), for the modifiers' errors to name.
     """
     b, h, _, _ = index_grid(batch, num_heads, range(0), range(0), device)
-    in_place = isinstance(score_mod, ScoreModifier) and declares(score_mod, "modify_")
+    # Inductor fuses the out-of-place form as well, and lowering in-place writes through the block's (B, H, Tb, Sb)
+    # view took it 73 s of index simplification for one 8-token call (BENCHMARKS round sixteen): compiled, no
+    # in-place form (decided here once per call, never per block)
+    in_place = (isinstance(score_mod, ScoreModifier) and declares(score_mod, "modify_")
+                and not torch.compiler.is_compiling())
     if explicit is not None:
         q_pos, k_pos = explicit
         q4, k4 = q_pos[:, None, :, None], k_pos[:, None, None, :]  # (B, T) -> (B, 1, T, 1), (B, S) -> (B, 1, 1, S)
