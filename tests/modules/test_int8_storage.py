@@ -709,11 +709,12 @@ def test_generate_int8_on_a_float64_model_names_the_dtypes_it_takes() -> None:
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", torch.int8])
-def test_the_serve_engine_refuses_int8(kv_dtype: Any) -> None:
+def test_the_serve_engine_stores_int8_too(kv_dtype: Any) -> None:
+    """kv_dtype=int8 means the same in the engine as in generate (issue 38; tests/serve/test_int8_pool.py checks
+    the numbers): it was refused."""
     from attnkit.serve import Engine
 
-    with pytest.raises(ValueError, match=r"kv_dtype=int8 is generate\(\)'s .*; the paged pool stores"):
-        Engine(_tiny(), lambda ids: "", kv_memory_mib=1, block_size=4, kv_dtype=kv_dtype)
+    assert Engine(_tiny(), lambda ids: "", kv_memory_mib=1, block_size=4, kv_dtype=kv_dtype).pool.dtype == torch.int8
 
 
 def test_the_command_line_refuses_int8_with_compile(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -156,7 +156,7 @@ def test_the_shared_options_have_one_help_text_and_one_set_of_choices(capsys: py
     assert helps["generate"] == helps["chat"] == helps["serve"]
     assert "{float32,bfloat16,float16,int8}" in helps["serve"]["--kv-dtype"]
     assert "OMP_NUM_THREADS=1" in helps["serve"]["--threads"] and "3.2x" in helps["serve"]["--threads"]
-    assert "attnkit serve refuses int8" in helps["serve"]["--kv-dtype"]
+    assert "attnkit serve stores int8 in its paged pool too" in helps["serve"]["--kv-dtype"]
 
 
 @pytest.mark.parametrize(("option", "says"), [
@@ -176,8 +176,6 @@ def test_a_bad_shared_option_is_refused_alike_by_every_command(command: str, opt
 
 
 @pytest.mark.parametrize(("option", "says"), [
-    (["--kv-dtype", "int8"], "--kv-dtype int8 is generate's and chat's int8 cache; attnkit serve's paged KV pool "
-                             "stores float32, bfloat16 or float16"),
     (["--compile", "--no-compile"], "--compile and --no-compile contradict each other: give one"),
     (["--cache", "sink:4,1020"], "--cache sink:4,1020 keeps a window for generate and chat; attnkit serve's paged "
                                  "pool keeps every position"),
@@ -242,8 +240,9 @@ def test_serve_on_a_gpu_answers_as_on_the_cpu_and_says_where(tiny: Path, tmp_pat
 
 
 def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path) -> None:
-    """--threads, --kv-dtype bfloat16, --device cpu and --cache full: a server that answers, and says so."""
-    process = ServerProcess.attnkit("--gguf", str(tiny), "--kv-memory", "1", "--kv-dtype", "bfloat16", "--device",
+    """--threads, --kv-dtype int8 (generate's int8 cache, served by the paged pool since issue 38), --device cpu
+    and --cache full: a server that answers, and says so."""
+    process = ServerProcess.attnkit("--gguf", str(tiny), "--kv-memory", "1", "--kv-dtype", "int8", "--device",
                                     "cpu", "--cache", "full", threads=1, log=tmp_path / "server.log")
     try:
         body = {"model": "tiny", "prompt": "hello world", "max_tokens": 2, "temperature": 0}
@@ -252,4 +251,4 @@ def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path
         process.stop()
     (banner,) = [line for line in (tmp_path / "server.log").read_text().splitlines() if "attnkit serve:" in line]
     assert banner.startswith("attnkit serve: tiny.gguf, model id tiny (") and "; 1 CPU thread)" in banner
-    assert " bfloat16 KV blocks of 16 positions" in banner
+    assert " int8 KV blocks of 16 positions" in banner

@@ -43,10 +43,11 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
                    help="the dtype the KV cache stores keys and values in (default float32): under float32 compute, "
                    "bfloat16 or float16 halve its memory, so twice the positions fit (generate and chat: the "
-                   "context, with --cache full; serve: --kv-memory); int8 (generate and chat only, also under "
-                   "bfloat16 compute, not with --compile) quarters it and decodes faster at long contexts, slower "
-                   "at short ones and on sliding-window layers, keeping fewer of float32's greedy choices "
-                   "(BENCHMARKS.md). attnkit serve refuses int8: its paged pool stores floats")
+                   "context, with --cache full; serve: --kv-memory); int8 (also under bfloat16 compute) quarters it: "
+                   "generate and chat (not with --compile) decode it with an int8 kernel, faster at long contexts, "
+                   "slower at short ones and on sliding-window layers, keeping fewer of float32's greedy choices "
+                   "(BENCHMARKS.md); attnkit serve stores int8 in its paged pool too (the same codes and scales, "
+                   "read back dequantised)")
     p.add_argument("--compile", action="store_true", help="run each decoding step as one compiled graph "
                    "(torch.compile over static caches): faster decoding, after compiling for a minute or more "
                    "once per process, at the first answer (counted in the reported speed; BENCHMARKS.md). "

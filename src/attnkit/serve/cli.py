@@ -12,12 +12,13 @@
     attnkit serve --device cuda            # the model and its KV pool on a GPU
 
 --threads, --device, --kv-dtype, --compile and --cache are generate's and chat's options, with their help texts
-and checks (:func:`~attnkit.models.runtime_options.add_runtime_options`); what the paged engine cannot do (int8
-blocks, sink caches) is refused by name, never ignored. ``--device cuda`` loads the model on the GPU as generate
-does (plain float32 weights) and the engine keeps its paged KV pool and runs every step there; a device this
-machine lacks is refused before the load, as by generate. The decode step is compiled by default
-(:mod:`attnkit.serve.graph`): the server answers at once with the eager step and switches when the compiled one
-is ready (the log and ``/health`` say when); ``--no-compile`` keeps the eager step.
+and checks (:func:`~attnkit.models.runtime_options.add_runtime_options`): ``--kv-dtype int8`` stores generate's
+int8 codes and scales in the paged pool; what the paged engine cannot do (sink caches) is refused by name, never
+ignored. ``--device cuda`` loads the model on the GPU as generate does (plain float32 weights) and the engine
+keeps its paged KV pool and runs every step there; a device this machine lacks is refused before the load, as by
+generate. The decode step is compiled by default (:mod:`attnkit.serve.graph`): the server answers at once with
+the eager step and switches when the compiled one is ready (the log and ``/health`` say when); ``--no-compile``
+keeps the eager step.
 
 Imports stay light: torch, the model and FastAPI load only when the command runs.
 """
@@ -104,9 +105,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def refuse_unserved(args: argparse.Namespace) -> None:
     """Refuse, by name, the shared options' values the paged engine cannot honour (rather than ignore them)."""
-    if args.kv_dtype == "int8":
-        raise ValueError("--kv-dtype int8 is generate's and chat's int8 cache; attnkit serve's paged KV pool stores "
-                         "float32, bfloat16 or float16: choose one of those")
     if args.compile and args.no_compile:
         raise ValueError("--compile and --no-compile contradict each other: give one")
     if args.cache != "full":

@@ -64,7 +64,9 @@ class Engine:
         token_budget: most prompt tokens prefilled per step.
         max_waiting: most requests waiting; more are refused (:class:`QueueFullError`).
         kv_dtype: what the pool stores keys and values in: None (the model's
-            dtype), or bfloat16 / float16 under a float32 model (twice the blocks).
+            dtype), bfloat16 / float16 under a float32 model (twice the blocks),
+            or int8 (codes and bfloat16 scales, as ``generate(kv_dtype="int8")``)
+            under a float32 or bfloat16 model (4D / (D + 2) times float32's blocks).
         compile: compile the all-decode step (:mod:`attnkit.serve.graph`) in a
             background thread; the eager step serves until it is ready
             (:meth:`compile_status`, :meth:`wait_compiled`), and on if it fails.

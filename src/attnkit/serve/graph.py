@@ -3,10 +3,10 @@
 Only all-decode forwards (every row one new token) run compiled; prefill
 chunks stay eager. The compiled function is a function of tensors
 (:func:`decode_step`: the token ids, their positions, the step's
-:class:`~attnkit.serve.paged.PagedBatch` and the pool's storage), so dynamo
-guards on shapes and dtypes, not on engine objects: two graphs (one row, and
-B > 1 rows) serve every batch size B, read width S and pool size N (marked
-dynamic).
+:class:`~attnkit.serve.paged.PagedBatch` and the pool's storage: an int8
+pool's scales too, none for a float pool), so dynamo guards on shapes and
+dtypes, not on engine objects: two graphs (one row, and B > 1 rows) serve
+every batch size B, read width S and pool size N (marked dynamic).
 
 :class:`CompiledDecode` compiles it in a thread of its own, against a scratch
 pool of a few slots (the live pool is never touched), while the engine thread
@@ -48,21 +48,23 @@ import torch
 from torch import Tensor
 
 from .compile_cache import CompileCache
-from .paged import PagedBatch, layer_caches
+from .paged import PagedBatch, PagedKVPool, layer_caches
 
 LOG = logging.getLogger("attnkit.serve.compile")  # attnkit serve prints it on stderr
 
 
 def decode_step(model: Any, ids: Tensor, positions: Tensor, write_slots: Tensor, read_slots: Tensor,
-                key_positions: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor]) -> Tensor:
+                key_positions: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor], k_scales: Sequence[Tensor] = (),
+                v_scales: Sequence[Tensor] = ()) -> Tensor:
     """Logits (B, V) of one all-decode forward: ``ids`` and ``positions`` (B, 1), the step's slots
-    (:class:`~attnkit.serve.paged.PagedBatch`'s fields) and each layer's storage ``ks``, ``vs`` (N, G, D)."""
+    (:class:`~attnkit.serve.paged.PagedBatch`'s fields) and each layer's storage ``ks``, ``vs`` (N, G, D), with an
+    int8 pool's scales ``k_scales``, ``v_scales`` (N, G) (empty for a float pool)."""
     batch = PagedBatch(write_slots, read_slots, key_positions)
-    return model.step(ids, positions, layer_caches(ks, vs, batch))  # (B, V)
+    return model.step(ids, positions, layer_caches(ks, vs, batch, k_scales, v_scales))  # (B, V)
 
 
 def mark_dynamic(ids: Tensor, positions: Tensor, batch: PagedBatch, ks: Sequence[Tensor],
-                 vs: Sequence[Tensor]) -> None:
+                 vs: Sequence[Tensor], k_scales: Sequence[Tensor] = (), v_scales: Sequence[Tensor] = ()) -> None:
     """Mark S and N dynamic on a call's inputs, and B where it is not 1, so that a compile serves every later
     step of its kind."""
     if ids.shape[0] > 1:
@@ -70,14 +72,15 @@ def mark_dynamic(ids: Tensor, positions: Tensor, batch: PagedBatch, ks: Sequence
             torch._dynamo.mark_dynamic(t, 0)  # B
     for t in (batch.read_slots, batch.key_positions):
         torch._dynamo.mark_dynamic(t, 1)  # S
-    for t in (*ks, *vs):
+    for t in (*ks, *vs, *k_scales, *v_scales):
         torch._dynamo.mark_dynamic(t, 0)  # N
 
 
 @dataclass(frozen=True)
 class Slots:
-    """A pool's per-layer storage: ``num_layers`` tensors (N, G, D) of ``dtype`` on ``device``, for the scratch
-    pool (on the live pool's device: a graph compiled for the CPU does not run on a GPU)."""
+    """A pool's per-layer storage: ``num_layers`` tensors (N, G, D) of ``dtype`` on ``device`` (int8: with scales
+    (N, G) bfloat16, as :class:`~attnkit.serve.paged.PagedKVPool` keeps them), for the scratch pool (on the live
+    pool's device: a graph compiled for the CPU does not run on a GPU)."""
 
     num_layers: int
     num_kv_heads: int
@@ -93,9 +96,10 @@ def warm_up(compiled: Any, model: Any, slots: Slots) -> None:
     tensors are made as the engine makes them (dynamo guards on it): the pool outside inference mode, each step's
     inside."""
     n, device = 11, slots.device  # scratch slots, the last the spare
-    ks = [torch.zeros(n, slots.num_kv_heads, slots.head_dim, dtype=slots.dtype, device=device)
-          for _ in range(slots.num_layers)]
-    vs = [torch.zeros_like(k) for k in ks]
+    scratch = PagedKVPool(num_layers=slots.num_layers, num_blocks=1, block_size=n - 1,
+                          num_kv_heads=slots.num_kv_heads, head_dim=slots.head_dim, dtype=slots.dtype, device=device)
+    ks, vs = scratch.k, scratch.v  # num_layers x (N, G, D)
+    k_scales, v_scales = scratch.k_scales, scratch.v_scales  # num_layers x (N, G) for int8; empty for a float pool
     for b in (2, 1):
         with torch.inference_mode():
             ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # (B, 1)
@@ -103,8 +107,9 @@ def warm_up(compiled: Any, model: Any, slots: Slots) -> None:
             read = torch.arange(3, device=device).expand(b, 3).clone()  # (B, S): slots 0, 1, 2 at positions 0, 1, 2
             write = torch.full((b, 1), n - 1, dtype=torch.long, device=device)  # (B, 1): the spare slot
             batch = PagedBatch(write, read, read.clone())
-            mark_dynamic(ids, positions, batch, ks, vs)
-            compiled(model, ids, positions, batch.write_slots, batch.read_slots, batch.key_positions, ks, vs)
+            mark_dynamic(ids, positions, batch, ks, vs, k_scales, v_scales)
+            compiled(model, ids, positions, batch.write_slots, batch.read_slots, batch.key_positions, ks, vs,
+                     k_scales, v_scales)
 
 
 class CompiledDecode:
@@ -147,13 +152,14 @@ class CompiledDecode:
         return status
 
     def __call__(self, ids: Tensor, positions: Tensor, batch: PagedBatch, ks: Sequence[Tensor],
-                 vs: Sequence[Tensor]) -> Tensor | None:
-        """Logits (B, V) of an all-decode step through the graph; None if it cannot take it (then it is marked
-        failed and the caller runs the eager step: every write it made is written again, alike)."""
+                 vs: Sequence[Tensor], k_scales: Sequence[Tensor], v_scales: Sequence[Tensor]) -> Tensor | None:
+        """Logits (B, V) of an all-decode step through the graph over the pool's storage (an int8 pool's scales
+        too; empty lists for a float pool, as the warm-up passed them); None if it cannot take it (then it is
+        marked failed and the caller runs the eager step: every write it made is written again, alike)."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"):  # never compile on the engine thread
                 logits = self._compiled(self.model, ids, positions, batch.write_slots, batch.read_slots,
-                                        batch.key_positions, ks, vs)  # (B, V)
+                                        batch.key_positions, ks, vs, k_scales, v_scales)  # (B, V)
         except Exception as err:  # the eager step serves on
             self._fail(err, "a step the compiled graph could not take")
             return None

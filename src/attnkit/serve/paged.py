@@ -14,6 +14,16 @@ inside its graph), which serve the cache protocol of :mod:`attnkit.modules.kv_ca
 the decoder and ``MultiHeadAttention`` run unchanged. Reading gathers each row's slots into a
 contiguous (B, G, S, D) tensor, then attends with the usual kernels.
 
+An int8 pool (``PagedKVPool(dtype=torch.int8)``, ``Engine(kv_dtype="int8")``)
+stores what ``KVCache(dtype=torch.int8)`` stores
+(:mod:`attnkit.modules.int8_storage`): int8 codes, and one bfloat16 scale per
+(slot, key/value head) for keys and one for values, each the vector's largest
+magnitude / 127 (:func:`attnkit.modules.packed.quantize_rows`). Its layer
+caches (:class:`PagedInt8LayerCache`) quantise what they write and hand back
+the rows' keys and values dequantised to the layer's dtype: the numbers
+``Int8Keys.dequantized`` gives, attended by the usual kernels (not the int8
+kernel ``generate`` decodes with).
+
 Legend: B sequences in the batch, T new tokens per row, S positions read per
 row, G key/value heads, D head dim, N slots in the pool.
 """
@@ -29,6 +39,10 @@ from torch import Tensor
 
 from attnkit.models.generation_options import kv_storage
 from attnkit.modules.kv_cache import CachedKeys
+from attnkit.modules.packed import quantize_rows
+
+INT8_ACTIVATIONS = (torch.float32, torch.bfloat16)  # the model dtypes whose keys an int8 pool takes (as KVCache's)
+SCALE_DTYPE = torch.bfloat16  # an int8 pool's scales: one per (slot, head), for keys and for values
 
 
 @dataclass(frozen=True)
@@ -59,13 +73,16 @@ class PagedBatch:
 
 
 def pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) -> torch.dtype:
-    """The paged pool's dtype: the model's, or a narrower one under a float32 model."""
+    """The paged pool's dtype: the model's, a narrower float under a float32 model, or int8 (codes and scales)
+    under a float32 or bfloat16 model."""
     stored = kv_storage(kv_dtype)
     if stored is None:
         return model_dtype
     if stored is torch.int8:
-        raise ValueError("kv_dtype=int8 is generate()'s KVCache(dtype=torch.int8); the paged pool stores None "
-                         "(the model's dtype), bfloat16 or float16")
+        if model_dtype not in INT8_ACTIVATIONS:
+            raise ValueError(f"kv_dtype=int8 stores a float32 or bfloat16 model's keys as int8 codes (as "
+                             f"KVCache(dtype=torch.int8)); this model computes in {model_dtype}: use kv_dtype=None")
+        return stored
     if model_dtype != torch.float32:
         raise ValueError(f"kv_dtype={stored} stores a float32 model's keys in fewer bytes; this model computes in "
                          f"{model_dtype}: use kv_dtype=None")
@@ -89,15 +106,23 @@ def engine_device(model: Any, device: torch.device | str | None) -> torch.device
 
 
 class PagedKVPool:
-    """Keys and values of every layer: ``num_blocks`` blocks of ``block_size`` positions each."""
+    """Keys and values of every layer: ``num_blocks`` blocks of ``block_size`` positions each.
+
+    ``dtype=torch.int8`` stores int8 codes in :attr:`k` and :attr:`v` and their bfloat16 scales in
+    :attr:`k_scales` and :attr:`v_scales` (N, G) (see the module docstring); a float pool has no scales (empty
+    lists).
+    """
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.spare = num_blocks * block_size  # the slot padding is written to
-        shape = (self.spare + 1, num_kv_heads, head_dim)
+        shape = (self.spare + 1, num_kv_heads, head_dim)  # (N, G, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        scaled = num_layers if dtype == torch.int8 else 0  # a float pool holds no scales
+        self.k_scales = [torch.zeros(shape[:2], dtype=SCALE_DTYPE, device=device) for _ in range(scaled)]  # (N, G)
+        self.v_scales = [torch.zeros(shape[:2], dtype=SCALE_DTYPE, device=device) for _ in range(scaled)]  # (N, G)
         self.batch: PagedBatch | None = None  # what :attr:`layers` read
 
     @classmethod
@@ -120,7 +145,7 @@ class PagedKVPool:
 
     @property
     def dtype(self) -> torch.dtype:
-        """What the storage holds keys and values in."""
+        """What the storage holds keys and values in (int8: codes, with :attr:`k_scales` and :attr:`v_scales`)."""
         return self.k[0].dtype
 
     @property
@@ -131,18 +156,27 @@ class PagedKVPool:
     @property
     def layers(self) -> list[PagedLayerCache]:
         """One cache per layer over :attr:`batch` (set it first): what a model's ``forward`` takes."""
-        return layer_caches(self.k, self.v, self.batch)
+        return layer_caches(self.k, self.v, self.batch, self.k_scales, self.v_scales)
 
     @staticmethod
     def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        """Memory one block takes over every layer (keys and values)."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        """Memory one block takes over every layer (keys and values; int8: codes and their bfloat16 scales)."""
+        vectors = 2 * num_layers * block_size * num_kv_heads  # a key and a value per (layer, position, head)
+        if dtype == torch.int8:
+            return vectors * (head_dim + torch.empty(0, dtype=SCALE_DTYPE).element_size())
+        return vectors * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-def layer_caches(ks: Sequence[Tensor], vs: Sequence[Tensor], batch: PagedBatch | None) -> list[PagedLayerCache]:
-    """One :class:`PagedLayerCache` per layer over the pool's tensors ``ks``, ``vs`` (N, G, D) and ``batch``."""
-    return [PagedLayerCache(k, v, batch) for k, v in zip(ks, vs, strict=True)]
+def layer_caches(ks: Sequence[Tensor], vs: Sequence[Tensor], batch: PagedBatch | None,
+                 k_scales: Sequence[Tensor] = (), v_scales: Sequence[Tensor] = ()) -> list[PagedLayerCache]:
+    """One cache per layer over the pool's tensors ``ks``, ``vs`` (N, G, D) and ``batch``: a
+    :class:`PagedLayerCache`, or with an int8 pool's ``k_scales``, ``v_scales`` (N, G) a
+    :class:`PagedInt8LayerCache`."""
+    if not k_scales:
+        return [PagedLayerCache(k, v, batch) for k, v in zip(ks, vs, strict=True)]
+    return [PagedInt8LayerCache(k, v, batch, k_scale, v_scale)
+            for k, v, k_scale, v_scale in zip(ks, vs, k_scales, v_scales, strict=True)]
 
 
 class PagedLayerCache:
@@ -177,5 +211,39 @@ class PagedLayerCache:
         k_all = self.keys[batch.read_slots].transpose(1, 2)  # (B, S, G, D) -> (B, G, S, D)
         v_all = self.values[batch.read_slots].transpose(1, 2)
         return CachedKeys(k_all, v_all, batch.key_positions)
+
+    write = update  # nothing to check: the engine built the batch
+
+
+class PagedInt8LayerCache(PagedLayerCache):
+    """One layer of an int8 pool: codes (N, G, D) int8 and scales (N, G) bfloat16, for keys and for values.
+
+    Writes quantise as ``KVCache(dtype=torch.int8)`` does (:func:`attnkit.modules.packed.quantize_rows`); reads
+    hand back the rows' keys and values dequantised to the layer's dtype (``codes * scale``, as
+    :meth:`attnkit.modules.int8_storage.Int8Keys.dequantized` computes them).
+    """
+
+    def __init__(self, keys: Tensor, values: Tensor, batch: PagedBatch | None, key_scales: Tensor,
+                 value_scales: Tensor) -> None:
+        super().__init__(keys, values, batch)
+        self.key_scales, self.value_scales = key_scales, value_scales
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
+        """Quantise k, v (B, G, T, D) to the batch's slots; return every row's keys (B, G, S, D), dequantised to
+        k's dtype, and positions."""
+        batch = self.batch
+        if batch is None or positions is None:
+            raise ValueError("a paged cache is read through a PagedBatch with explicit positions")
+        kv = torch.stack((k, v)).transpose(2, 3)  # 2 x (B, G, T, D) -> (2, B, T, G, D)
+        codes, scales = quantize_rows(kv, SCALE_DTYPE)  # (2, B, T, G, D) int8, (2, B, T, G) bfloat16
+        self.keys.index_put_((batch.write_slots,), codes[0])  # (B, T, G, D) at slots (B, T)
+        self.values.index_put_((batch.write_slots,), codes[1])
+        self.key_scales.index_put_((batch.write_slots,), scales[0])  # (B, T, G) at slots (B, T)
+        self.value_scales.index_put_((batch.write_slots,), scales[1])
+        k_scale = self.key_scales[batch.read_slots].float()[..., None]  # (B, S, G) -> (B, S, G, 1)
+        v_scale = self.value_scales[batch.read_slots].float()[..., None]
+        k_all = (self.keys[batch.read_slots].float() * k_scale).to(k.dtype)  # (B, S, G, D)
+        v_all = (self.values[batch.read_slots].float() * v_scale).to(v.dtype)
+        return CachedKeys(k_all.transpose(1, 2), v_all.transpose(1, 2), batch.key_positions)  # (B, G, S, D)
 
     write = update  # nothing to check: the engine built the batch

@@ -64,11 +64,13 @@ class Runner:
         lengths = [row.request.computed + row.length for row in rows]
         batch = PagedBatch.build([row.request.blocks for row in rows], positions, lengths, self.pool.block_size,
                                  self.pool.spare)
+        pool = self.pool  # an int8 pool's scales go with its codes; a float pool's scale lists are empty
         if width == 1 and self.graph is not None and self.graph.ready:
-            logits = self.graph(ids, positions, batch, self.pool.k, self.pool.v)  # (B, V); None: run eagerly
-            if logits is not None:
+            logits = self.graph(ids, positions, batch, pool.k, pool.v, pool.k_scales, pool.v_scales)  # (B, V)
+            if logits is not None:  # None: run eagerly
                 return logits
-        return self.model.step(ids, positions, layer_caches(self.pool.k, self.pool.v, batch))  # (B, V)
+        return self.model.step(ids, positions, layer_caches(pool.k, pool.v, batch, pool.k_scales,
+                                                            pool.v_scales))  # (B, V)
 
     def sample(self, requests: list[Request], logits: Tensor) -> list[Choice]:
         """Each request's next token from its row of ``logits`` (B, V), grouped by sampling options, with the
