@@ -14,7 +14,7 @@ bash scripts/browser.sh
 .venv/bin/ruff check src tests
 .venv/bin/mypy
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-parallel=(-n "${TEST_WORKERS:-2}" --dist loadfile --durations=15)
+parallel=(-n "${TEST_WORKERS:-2}" --dist loadfile --durations=30)
 .venv/bin/python -m pytest "${parallel[@]}" "$@"
 if [ "$#" -eq 0 ] && [ "$(uname -m)" = x86_64 ]; then
   echo "The weight-form, model and serving tests again, with PyTorch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2):"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from attnkit.models.generation_options import GenerationOptions
-from tests.serve.test_engine import _engine, _model
+from tests.serve._engine import tiny_engine, tiny_model
 
 
 def _penalised(model: Any, tokens: list[int], prompt: int, frequency: float, presence: float,
@@ -45,14 +45,14 @@ PENALTIES = [(1.5, 0.0, 1.0), (0.0, 2.0, 1.0), (0.0, 0.0, 3.0), (0.7, 0.5, 1.3),
 @pytest.mark.parametrize(("frequency", "presence", "repetition"), PENALTIES)
 def test_generate_and_the_engine_penalise_as_the_definitions(frequency: float, presence: float,
                                                             repetition: float) -> None:
-    model = _model()
+    model = tiny_model()
     prompt = [3, 7, 7, 9, 3, 1]
     want = _reference(model, prompt, 10, frequency, presence, repetition)
     options = {"max_new_tokens": 10, "frequency_penalty": frequency, "presence_penalty": presence,
                "repetition_penalty": repetition}
     out = model.generate(torch.tensor([prompt]), stop_ids=[], **options)
     assert out[0, len(prompt) :].tolist() == want
-    engine, events = _engine(model), []
+    engine, events = tiny_engine(model), []
     engine.submit(prompt, GenerationOptions(**options), events.append)
     while not engine.idle:
         engine.step()
@@ -61,7 +61,7 @@ def test_generate_and_the_engine_penalise_as_the_definitions(frequency: float, p
 
 def test_repetition_penalty_changes_a_looping_greedy_answer() -> None:
     """The tiny model loops on one token; a penalty that never applied would leave the loop."""
-    model = _model()
+    model = tiny_model()
     prompt = torch.tensor([[3, 7, 7, 9, 3, 1]])
     plain = model.generate(prompt, max_new_tokens=10, stop_ids=[])
     penalised = model.generate(prompt, max_new_tokens=10, stop_ids=[], repetition_penalty=3.0)
@@ -70,7 +70,7 @@ def test_repetition_penalty_changes_a_looping_greedy_answer() -> None:
 
 def test_left_padding_is_not_a_seen_token() -> None:
     """Bug: the pad id of a left-padded row counted as a prompt token for the repetition penalty."""
-    model = _model()
+    model = tiny_model()
     prompt = [3, 7, 9, 4]
     alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, stop_ids=[], repetition_penalty=5.0)
     ids = torch.tensor([[0, 0, *prompt], [5, 6, 8, 2, 1, 9]])
@@ -84,9 +84,9 @@ def test_engine_logprobs_are_the_log_softmax_of_the_penalised_logits(frequency: 
                                                                     repetition: float) -> None:
     """Sampled at temperature 1.3: logprobs of the distribution before temperature, after every penalty (a
     penalty not applied, or applied to the wrong tokens, moves them)."""
-    model = _model()
+    model = tiny_model()
     prompt = [3, 7, 9, 4]
-    engine, events = _engine(model), []
+    engine, events = tiny_engine(model), []
     options = GenerationOptions(max_new_tokens=6, temperature=1.3, seed=2, logprobs=3, frequency_penalty=frequency,
                                 presence_penalty=presence, repetition_penalty=repetition)
     engine.submit(prompt, options, events.append)
@@ -116,4 +116,4 @@ def test_bad_penalties_and_logprobs_are_refused_by_name(options: dict[str, Any],
 
 def test_generate_refuses_logprobs_it_cannot_return() -> None:
     with pytest.raises(ValueError, match=r"logprobs=2: generate\(\) returns token ids only"):
-        _model().generate(torch.tensor([[1, 2]]), max_new_tokens=2, logprobs=2)
+        tiny_model().generate(torch.tensor([[1, 2]]), max_new_tokens=2, logprobs=2)

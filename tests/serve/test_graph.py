@@ -58,7 +58,7 @@ def inductor_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(default))
 
 
-@pytest.mark.slow  # two graphs compiled: tens of seconds on two cores with a cold Inductor cache
+@pytest.mark.slow  # one graph compiled (B = 1 included): tens of seconds on two cores with a cold Inductor cache
 def test_the_compiled_decode_step_gives_the_eager_tokens_and_a_restart_loads_it_warm(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Greedy tokens of a batch (B = 4, then rows ending) and of one request alone (B = 1) equal the eager engine's;

@@ -14,7 +14,7 @@ import torch
 from attnkit.models.generation_options import GenerationOptions
 from attnkit.serve import Engine
 from tests._util import need
-from tests.serve.test_engine import Words, _engine, _model
+from tests.serve._engine import Words, tiny_engine, tiny_model
 
 
 def _run(engine: Engine, options: list[GenerationOptions], prompt: list[int]) -> list[list[int]]:
@@ -29,7 +29,7 @@ def _run(engine: Engine, options: list[GenerationOptions], prompt: list[int]) ->
 
 def _greedy_logits(prompt: list[int], n: int, bias: dict[int, float]) -> list[torch.Tensor]:
     """The tiny model's biased logit rows (V,) along its greedy biased answer (float64)."""
-    model, tokens, rows = _model(), list(prompt), []
+    model, tokens, rows = tiny_model(), list(prompt), []
     add = torch.zeros(model.config.vocab_size, dtype=torch.float64)
     for token, b in bias.items():
         add[token] = b
@@ -64,7 +64,8 @@ def test_json_keys_become_token_ids_and_an_empty_bias_is_none() -> None:
 
 def test_a_bias_outside_the_vocabulary_is_refused_before_the_first_token() -> None:
     with pytest.raises(ValueError, match=r"logit_bias names token id 50, outside the vocabulary \[0, 50\)"):
-        _engine(_model()).submit([1, 2, 3], GenerationOptions(max_new_tokens=4, logit_bias={50: 1}), lambda e: None)
+        tiny_engine(tiny_model()).submit([1, 2, 3], GenerationOptions(max_new_tokens=4, logit_bias={50: 1}),
+                                         lambda e: None)
 
 
 def test_each_request_of_a_batch_gets_its_own_bias() -> None:
@@ -79,7 +80,7 @@ def test_each_request_of_a_batch_gets_its_own_bias() -> None:
     assert banned[0] == runner_up
     options = [GenerationOptions(max_new_tokens=4), GenerationOptions(max_new_tokens=4, logit_bias={forced: 100}),
                GenerationOptions(max_new_tokens=4, logit_bias={greedy[0]: -100})]
-    assert _run(_engine(_model()), options, prompt) == [greedy, [forced] * 4, banned]
+    assert _run(tiny_engine(tiny_model()), options, prompt) == [greedy, [forced] * 4, banned]
 
 
 # -- over HTTP -----------------------------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ def client() -> Iterator[Any]:
     testclient = need("fastapi.testclient")
     from attnkit.serve.api import Server, create_app
 
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     engine.start()
     yield testclient.TestClient(create_app(Server(engine, Words(), model_name="tiny", context_length=128)))
     engine.shutdown()

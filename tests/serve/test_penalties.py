@@ -11,7 +11,7 @@ import torch
 from attnkit.models.generation_options import GenerationOptions
 from attnkit.serve import PagedKVPool
 from attnkit.serve.runner import History
-from tests.serve.test_engine import _engine, _model, _run
+from tests.serve._engine import run_requests, tiny_engine, tiny_model
 
 # strong enough for the tiny model, whose logits span about 50: each set changes most answers
 PENALTIES = [dict(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.3),
@@ -35,16 +35,16 @@ def _options(i: int, **penalties: float) -> GenerationOptions:
 @pytest.mark.parametrize("penalties", PENALTIES)
 def test_penalised_long_answers_equal_generate_alone(penalties: dict[str, float]) -> None:
     """Stale counts (a history built once and never updated, or updated twice a step) change a long answer."""
-    model = _model()
-    engine = _engine(model, max_batch=4)
+    model = tiny_model()
+    engine = tiny_engine(model, max_batch=4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (3, 11, 6, 17)]
     params = [_options(i, **penalties) for i in range(len(prompts))]
-    results = _run(engine, prompts, params)
+    results = run_requests(engine, prompts, params)
     for prompt, p, (tokens, reason) in zip(prompts, params, results, strict=True):
         assert len(tokens) == 60 and reason == "length"
         assert tokens == _alone(model, prompt, p)
-    plain = _run(_engine(model, max_batch=4), prompts, [_options(i) for i in range(len(prompts))])
+    plain = run_requests(tiny_engine(model, max_batch=4), prompts, [_options(i) for i in range(len(prompts))])
     changed = sum(a != b for (a, _), (b, _) in zip(plain, results, strict=True))
     assert changed >= 2  # the penalties change answers: the comparison above means something
 
@@ -52,13 +52,13 @@ def test_penalised_long_answers_equal_generate_alone(penalties: dict[str, float]
 def test_a_preempted_penalised_request_recomputes_and_keeps_its_counts() -> None:
     """A preempted request keeps its tokens and its history: counting its tokens again when it comes back (or
     losing the answer's counts) would change the rest of its answer."""
-    model = _model()
+    model = tiny_model()
     per_block = PagedKVPool.bytes_per_block(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
                                             dtype=torch.float64)
-    engine = _engine(model, kv_memory_mib=24 * per_block / 2**20, max_batch=4)  # 24 blocks, each answer needs 17
+    engine = tiny_engine(model, kv_memory_mib=24 * per_block / 2**20, max_batch=4)  # 24 blocks, each answer needs 17
     prompts = [[i + 1] * 7 for i in range(4)]
     params = [_options(i, **PENALTIES[i % len(PENALTIES)]) for i in range(4)]
-    results = _run(engine, prompts, params)
+    results = run_requests(engine, prompts, params)
     assert engine.metrics()["preemptions_total"] > 0
     for prompt, p, (tokens, _) in zip(prompts, params, results, strict=True):
         assert tokens == _alone(model, prompt, p)
@@ -68,7 +68,7 @@ def test_a_preempted_penalised_request_recomputes_and_keeps_its_counts() -> None
 
 def test_a_history_counts_the_answer_and_sees_the_prompt_token_by_token() -> None:
     """The incremental history equals one built from all the tokens at once, whatever the steps' sizes."""
-    engine = _engine(_model())
+    engine = tiny_engine(tiny_model())
     request = engine.submit([4, 4, 9], GenerationOptions(max_new_tokens=8), lambda event: None)
     history = History(torch.zeros(50), torch.zeros(50, dtype=torch.bool))
     for token in (9, 9, 2, 4, 7):

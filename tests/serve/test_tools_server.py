@@ -22,8 +22,8 @@ from attnkit.cli import main
 from attnkit.serve import Engine
 from tests._util import need
 from tests.models._decoder import CHATML, need_smollm2
+from tests.serve._engine import Words, tiny_model
 from tests.serve._tools import ASK, QWEN25, TOOLS, WEATHER, tool_tokenizer
-from tests.serve.test_engine import Words, _model
 
 need("jinja2")
 need("gguf")
@@ -39,7 +39,7 @@ FIRST, END = 10, 49  # token FIRST + i says script[i]; END ends the answer
 
 def _scripted_engine(script: list[str] = SCRIPT) -> Engine:
     """The tiny float64 model of test_engine, whose next token follows ``script`` from any token outside it."""
-    model = _model()
+    model = tiny_model()
     model.stop_token_ids = (END,)
     step = model.step
 

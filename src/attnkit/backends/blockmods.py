@@ -176,9 +176,9 @@ def block_mods(score_mod: ScoreMod | None, mask_mod: MaskMod | None, *, batch: i
     ``shape``: the call's scores (B, H, T, S), for the modifiers' errors to name.
     """
     b, h, _, _ = index_grid(batch, num_heads, range(0), range(0), device)
-    # Inductor fuses the out-of-place form as well, and lowering in-place writes through the block's (B, H, Tb, Sb)
-    # view took it 73 s of index simplification for one 8-token call (BENCHMARKS round sixteen): compiled, no
-    # in-place form (decided here once per call, never per block)
+    # compiled, the out-of-place form: Inductor fuses it as well, and its lowering of in-place writes through a
+    # block's (B, H, Tb, Sb) view spends most of the compile simplifying indices (BENCHMARKS.md, round sixteen);
+    # decided here once per call, never per block
     in_place = (isinstance(score_mod, ScoreModifier) and declares(score_mod, "modify_")
                 and not torch.compiler.is_compiling())
     if explicit is not None:

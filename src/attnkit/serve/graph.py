@@ -5,8 +5,9 @@ chunks stay eager. The compiled function is a function of tensors
 (:func:`decode_step`: the token ids, their positions, the step's
 :class:`~attnkit.serve.paged.PagedBatch` and the pool's storage: an int8
 pool's scales too, none for a float pool), so dynamo guards on shapes and
-dtypes, not on engine objects: two graphs (one row, and B > 1 rows) serve
-every batch size B, read width S and pool size N (marked dynamic).
+dtypes, not on engine objects: one graph serves every batch size B (unbacked:
+B = 1 is not a graph of its own), read width S and pool size N (marked
+dynamic).
 
 :class:`CompiledDecode` compiles it in a thread of its own, against a scratch
 pool of a few slots (the live pool is never touched), while the engine thread
@@ -59,17 +60,21 @@ def decode_step(model: Any, ids: Tensor, positions: Tensor, write_slots: Tensor,
     """Logits (B, V) of one all-decode forward: ``ids`` and ``positions`` (B, 1), the step's slots
     (:class:`~attnkit.serve.paged.PagedBatch`'s fields) and each layer's storage ``ks``, ``vs`` (N, G, D), with an
     int8 pool's scales ``k_scales``, ``v_scales`` (N, G) (empty for a float pool)."""
+    b = ids.shape[0]  # unbacked while compiling (:func:`mark_dynamic`): tell dynamo every input has this B
+    for t in (positions, write_slots, read_slots, key_positions):
+        torch._check(t.shape[0] == b)
+    torch._check(key_positions.shape[1] == read_slots.shape[1])  # S
     batch = PagedBatch(write_slots, read_slots, key_positions)
     return model.step(ids, positions, layer_caches(ks, vs, batch, k_scales, v_scales))  # (B, V)
 
 
 def mark_dynamic(ids: Tensor, positions: Tensor, batch: PagedBatch, ks: Sequence[Tensor],
                  vs: Sequence[Tensor], k_scales: Sequence[Tensor] = (), v_scales: Sequence[Tensor] = ()) -> None:
-    """Mark S and N dynamic on a call's inputs, and B where it is not 1, so that a compile serves every later
-    step of its kind."""
-    if ids.shape[0] > 1:
-        for t in (ids, positions, batch.write_slots, batch.read_slots, batch.key_positions):
-            torch._dynamo.mark_dynamic(t, 0)  # B
+    """Mark B, S and N dynamic on a call's inputs, so that one compile serves every later all-decode step. B is
+    unbacked: a backed size is specialised at 1 (a guard on B >= 2 from a stride made B = 1 a graph of its own,
+    which doubled the compile and a warm restart)."""
+    for t in (ids, positions, batch.write_slots, batch.read_slots, batch.key_positions):
+        torch._dynamo.decorators.mark_unbacked(t, 0)  # B
     for t in (batch.read_slots, batch.key_positions):
         torch._dynamo.mark_dynamic(t, 1)  # S
     for t in (*ks, *vs, *k_scales, *v_scales):
@@ -90,26 +95,25 @@ class Slots:
 
 
 def warm_up(compiled: Any, model: Any, slots: Slots) -> None:
-    """Run ``compiled`` (:func:`decode_step`) on a scratch pool at B = 2, then B = 1: two graphs, S and N dynamic
-    in both, B in the first (Inductor's view of one row's query heads tells B = 1 apart). Every write goes to the
-    scratch pool's spare slot; the sizes are distinct (B 2, S 3, N 11) so that no two are taken for one. The
-    tensors are made as the engine makes them (dynamo guards on it): the pool outside inference mode, each step's
-    inside."""
+    """Run ``compiled`` (:func:`decode_step`) once on a scratch pool at B = 2: one graph, B, S and N dynamic
+    (:func:`mark_dynamic`). Every write goes to the scratch pool's spare slot; the sizes are distinct (B 2, S 3,
+    N 11) so that no two are taken for one. The tensors are made as the engine makes them (dynamo guards on it):
+    the pool outside inference mode, each step's inside."""
     n, device = 11, slots.device  # scratch slots, the last the spare
     scratch = PagedKVPool(num_layers=slots.num_layers, num_blocks=1, block_size=n - 1,
                           num_kv_heads=slots.num_kv_heads, head_dim=slots.head_dim, dtype=slots.dtype, device=device)
     ks, vs = scratch.k, scratch.v  # num_layers x (N, G, D)
     k_scales, v_scales = scratch.k_scales, scratch.v_scales  # num_layers x (N, G) for int8; empty for a float pool
-    for b in (2, 1):
-        with torch.inference_mode():
-            ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # (B, 1)
-            positions = torch.full((b, 1), 2, dtype=torch.long, device=device)  # (B, 1): each row's third position
-            read = torch.arange(3, device=device).expand(b, 3).clone()  # (B, S): slots 0, 1, 2 at positions 0, 1, 2
-            write = torch.full((b, 1), n - 1, dtype=torch.long, device=device)  # (B, 1): the spare slot
-            batch = PagedBatch(write, read, read.clone())
-            mark_dynamic(ids, positions, batch, ks, vs, k_scales, v_scales)
-            compiled(model, ids, positions, batch.write_slots, batch.read_slots, batch.key_positions, ks, vs,
-                     k_scales, v_scales)
+    b = 2
+    with torch.inference_mode():
+        ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # (B, 1)
+        positions = torch.full((b, 1), 2, dtype=torch.long, device=device)  # (B, 1): each row's third position
+        read = torch.arange(3, device=device).expand(b, 3).clone()  # (B, S): slots 0, 1, 2 at positions 0, 1, 2
+        write = torch.full((b, 1), n - 1, dtype=torch.long, device=device)  # (B, 1): the spare slot
+        batch = PagedBatch(write, read, read.clone())
+        mark_dynamic(ids, positions, batch, ks, vs, k_scales, v_scales)
+        compiled(model, ids, positions, batch.write_slots, batch.read_slots, batch.key_positions, ks, vs,
+                 k_scales, v_scales)
 
 
 class CompiledDecode:
