@@ -139,21 +139,49 @@ def test_the_suite_adds_the_request_rows_and_keeps_its_rows(monkeypatch: pytest.
     monkeypatch.setattr(serve, "offline_ceiling", lambda n, weights, threads: {"output_tokens": 1, "seconds": 1.0,
                                                                                "tokens_per_s": 1.0})
     monkeypatch.setattr(serve, "wait_compiled", lambda url: 2.0)
+    monkeypatch.setattr(serve, "compile_state", lambda url: {"state": "ready", "steps": 40})
     monkeypatch.setattr(serve, "floor_single", lambda weights, threads: {"output_tokens": 1, "seconds": 1.0,
                                                                          "tokens_per_s": 2.0})
     rows = serve.run_serve_suite([1], workdir=tmp_path, threads=1, repeats=1)
-    assert [(r["kind"], r.get("contender"), r.get("request")) for r in rows[:-1]] == [
+    assert [(r["kind"], r.get("contender"), r.get("request")) for r in rows[:-2]] == [
         ("skipped", "llama-server", None), ("serve", "attnkit-serve", None), ("serve", "attnkit-serve (graph)", None),
         ("serve", "attnkit-generate (offline ceiling)", None), ("serve", "floor (batch 1)", None),
         ("request", "attnkit-serve", "plain"), ("request", "attnkit-serve", "n=4"),
         ("request", "attnkit-serve", "json_schema")]
-    assert rows[-2]["weights"] == "int4" and rows[-2]["threads"] == 1 and "cpu_capability" in rows[-2]
+    assert rows[-3]["weights"] == "int4" and rows[-3]["threads"] == 1 and "cpu_capability" in rows[-3]
     assert [o[-1] for o in started[:2]] == ["--no-compile", "--compile"]  # eager, then graph mode
-    assert rows[2]["compile_wait_s"] == 2.0
-    graph_vs_floor = rows[-1]  # the graph-mode server against the floor's batch-1 decode
-    assert graph_vs_floor["kind"] == "target" and "floor" in graph_vs_floor["target"]
+    assert rows[2]["compile_wait_s"] == 2.0 and rows[2]["graph_steps"] == 40  # the graph decoded
+    graph_vs_floor, eager_vs_floor = rows[-2:]  # the graph-mode server and the eager step against the floor
+    assert graph_vs_floor["kind"] == "target" and "graph-mode" in graph_vs_floor["target"]
+    assert "floor" in graph_vs_floor["target"] and "eager-step" in eager_vs_floor["target"]
     assert graph_vs_floor["measured"] == pytest.approx(rows[2]["tokens_per_s"] / 2.0, abs=1e-3)
     assert started[-1][:2] == ("--max-batch", "4")  # the n = 4 request's choices decode together
+
+
+def test_a_graph_that_never_gets_ready_is_a_skipped_row_not_a_lost_run(monkeypatch: pytest.MonkeyPatch,
+                                                                          fake_chat: str, tmp_path: Path) -> None:
+    """Bug: a compile that failed raised out of the suite, and the minutes of rows measured before it were lost."""
+    from types import SimpleNamespace
+
+    import attnkit.bench.serve as serve
+
+    def never(url: str) -> float:
+        raise RuntimeError("attnkit serve's compiled step is not ready: {'state': 'failed'}")
+
+    monkeypatch.setattr(serve.ServerProcess, "attnkit", lambda *options, log, threads: SimpleNamespace(
+        url=fake_chat, stop=lambda: None))
+    monkeypatch.setattr(serve, "llama_server_path", lambda: None)
+    monkeypatch.setattr(serve, "served_form", lambda: "int4")
+    monkeypatch.setattr(serve, "offline_ceiling", lambda n, weights, threads: {"output_tokens": 1, "seconds": 1.0,
+                                                                               "tokens_per_s": 1.0})
+    monkeypatch.setattr(serve, "floor_single", lambda weights, threads: {"output_tokens": 1, "seconds": 1.0,
+                                                                         "tokens_per_s": 2.0})
+    monkeypatch.setattr(serve, "wait_compiled", never)
+    rows = serve.run_serve_suite([1], workdir=tmp_path, threads=1, repeats=1)
+    skipped = [r for r in rows if r["kind"] == "skipped" and r["contender"] == "attnkit-serve (graph)"]
+    assert skipped and "failed" in skipped[0]["why"]
+    assert any(r["kind"] == "serve" and r["contender"] == "attnkit-serve" for r in rows)  # the eager row stays
+    assert not any(r["kind"] == "target" and "graph-mode" in r["target"] for r in rows)
 
 
 def test_bench_batch_and_repeats_make_a_short_serve_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -239,10 +239,11 @@ def test_serve_on_a_gpu_answers_as_on_the_cpu_and_says_where(tiny: Path, tmp_pat
     assert "(float32 weights, cuda, " in banner
 
 
-def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path) -> None:
-    """--threads, --kv-dtype int8 (generate's int8 cache, served by the paged pool since issue 38), --device cpu
-    and --cache full: a server that answers, and says so."""
-    process = ServerProcess.attnkit("--gguf", str(tiny), "--kv-memory", "1", "--kv-dtype", "int8", "--device",
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path, kv_dtype: str) -> None:
+    """--threads, --kv-dtype (int8 too: generate's int8 cache, served by the paged pool since issue 38), --device
+    cpu and --cache full: a server that answers, and says so."""
+    process = ServerProcess.attnkit("--gguf", str(tiny), "--kv-memory", "1", "--kv-dtype", kv_dtype, "--device",
                                     "cpu", "--cache", "full", threads=1, log=tmp_path / "server.log")
     try:
         body = {"model": "tiny", "prompt": "hello world", "max_tokens": 2, "temperature": 0}
@@ -251,4 +252,4 @@ def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path
         process.stop()
     (banner,) = [line for line in (tmp_path / "server.log").read_text().splitlines() if "attnkit serve:" in line]
     assert banner.startswith("attnkit serve: tiny.gguf, model id tiny (") and "; 1 CPU thread)" in banner
-    assert " int8 KV blocks of 16 positions" in banner
+    assert f" {kv_dtype} KV blocks of 16 positions" in banner

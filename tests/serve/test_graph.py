@@ -84,6 +84,24 @@ def test_the_compiled_decode_step_gives_the_eager_tokens_and_a_restart_loads_it_
     assert _tokens(again, prompts[:2]) == _tokens(eager, prompts[:2])
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_graph_takes_every_decode_step_shape_a_one_token_prompt_included(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dynamo's guards without Inductor's minutes (backend "eager"): a prompt of one token alone (S = 1), one row
+    (B = 1) and more rows than the warm-up's two. Bug: a one-token prompt's step failed the graph's guard on S,
+    and the server decoded eagerly until a restart."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compile_(fn, **options, backend="eager"))
+    model = _model()
+    engine = _engine(model, compile=True, compile_cache=CompileCache.for_model(model, torch.float32, tmp_path))
+    assert engine.wait_compiled(timeout=300), engine.compile_status()
+    eager = _engine(model)
+    for prompts in ([[7]], [[3, 4, 5]], [[1], [2, 3], [4, 5, 6], [7, 8, 9, 10]]):
+        assert _tokens(engine, prompts, new=4) == _tokens(eager, prompts, new=4), prompts
+    status = engine.compile_status()
+    assert status["state"] == "ready" and status["steps"] >= 3 * 3, status
+
+
 def test_a_compile_that_fails_leaves_the_eager_step_serving_and_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Bug to avoid: a failed background compile took the engine down, or left it waiting on a graph."""

@@ -156,7 +156,7 @@ def test_the_int8_decode_step_traces_as_one_graph() -> None:
     assert explained.graph_count == 1
 
 
-@pytest.mark.slow  # two graphs compiled: about 30 s on two cores with a cold Inductor cache
+@pytest.mark.slow  # one graph compiled: about 30 s on two cores with a cold Inductor cache
 def test_the_compiled_step_over_an_int8_pool_gives_the_eager_tokens(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy tokens of a batch (B = 2) and of one request alone (B = 1) equal the eager int8 engine's, and every

@@ -25,7 +25,7 @@ import torch
 from attnkit.models.gemma3 import cache_dir
 from attnkit.modules.quantize import weight_form
 
-FORMAT = "attnkit compiled decode step, 1"  # the first field of a cache file's header
+FORMAT = "attnkit compiled decode step, 2"  # a cache file header's first field (2: one graph for every B)
 
 
 class CompileCache:

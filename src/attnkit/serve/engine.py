@@ -48,7 +48,7 @@ from .grammar import Constraint
 from .graph import compile_in_background
 from .paged import PagedKVPool
 from .runner import Choice, Runner, batches
-from .scheduler import EngineError, Event, QueueFullError, Request, Row, Scheduler, check_request
+from .scheduler import ConstraintError, EngineError, Event, QueueFullError, Request, Row, Scheduler, check_request
 
 
 class Engine:
@@ -150,9 +150,8 @@ class Engine:
             self._thread.join(timeout=10)
 
     def compile_status(self) -> dict[str, Any]:
-        """The compiled decode step's state: {"state": "off"} without ``compile``, else
-        :meth:`attnkit.serve.graph.CompiledDecode.status` ("compiling", "ready" or "failed", with its seconds,
-        error and the steps it ran)."""
+        """{"state": "off"} without ``compile``, else :meth:`attnkit.serve.graph.CompiledDecode.status`
+        ("compiling", "ready" or "failed", with its seconds, error and the steps it ran)."""
         return {"state": "off"} if self.graph is None else self.graph.status()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
@@ -214,7 +213,7 @@ class Engine:
         self.stats["generated_tokens_total"] += 1
         try:
             piece, reason = request.take(choice.token, self.model.context_length)
-        except ValueError as err:  # a grammar that broke down ends its request alone
+        except ConstraintError as err:  # a grammar that broke down ends its request alone
             self._finish(request, "error", [choice.token], error=f"constrained decoding failed: {err}")
             return
         if piece is None:  # a stop id: a token of the answer (usage counts it), not text

@@ -202,7 +202,8 @@ class CompiledDecode:
             LOG.warning("the compiled decode step could not be kept in %s: %s", self.cache.path, err)
 
     def _fail(self, err: BaseException, what: str) -> None:
-        self.ready, self.state, self.error = False, "failed", f"{type(err).__name__}: {err}"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""  # a guard's report runs to kilobytes
+        self.ready, self.state, self.error = False, "failed", f"{type(err).__name__}: {first[:300]}"
         LOG.warning("%s: %s; the eager step keeps serving", what, self.error)
 
 

@@ -61,7 +61,7 @@ class PagedBatch:
         device = positions.device
         width = max(len(t) for t in tables)
         table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
-        s = max(lengths)
+        s = max(*lengths, 2)  # S >= 2: the compiled step's graph is traced with S dynamic, which excludes S = 1
         pos = torch.arange(s, device=device)  # (S,)
         read = table[:, pos // block_size] * block_size + pos % block_size  # (B, S)
         valid = pos[None, :] < torch.tensor(list(lengths), device=device)[:, None]  # (B, S)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from attnkit.models.chat import TemplateLimitError
 from attnkit.models.generation_options import GenerationOptions
 
 from .checks import (
@@ -232,6 +233,8 @@ class Server:
         try:  # content is plain text: no control tokens from it
             prompt = self.tokenizer.chat_ids(plain) if offered is None else self.tokenizer.chat_ids(plain,
                                                                                                      tools=offered)
+        except TemplateLimitError as err:  # rendering again could take as long: the template's limit names it
+            raise bad("messages", str(err)) from err
         except ValueError as err:
             raise bad(self._culprit(plain, offered), str(err)) from err
         stream, usage = self._flags(body)
@@ -247,7 +250,7 @@ class Server:
             return "messages"
         try:
             self.tokenizer.chat_ids(messages)
-        except ValueError:
+        except Exception:  # any failure without the tools is the messages' (a 400 on them, never a 500)
             return "messages"
         return "tools"
 

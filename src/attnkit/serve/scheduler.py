@@ -53,6 +53,11 @@ class Event:
     logprobs: list[Choice] = field(default_factory=list)
 
 
+
+class ConstraintError(ValueError):
+    """A request's constraint (its grammar) could not take the token sampled under it."""
+
+
 @dataclass(eq=False)
 class Request:
     """One request inside the engine: its prompt, options and where its tokens are; ``constraint``: which tokens
@@ -83,13 +88,16 @@ class Request:
     def take(self, token: int, context_length: int) -> tuple[str | None, str | None]:
         """Append a sampled ``token``: the text it shows (None for a stop id: "stop" at once) and the reason the
         request ends after it, if it does ("stop": a stop string or a complete constraint, "length": its
-        ``max_new_tokens`` or the model's context). Raises ValueError if the constraint cannot take it."""
+        ``max_new_tokens`` or the model's context). Raises :class:`ConstraintError` if the constraint cannot take it."""
         self.tokens.append(token)
         self.generated += 1
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if self.constraint is not None:
-            self.constraint.advance(token)
+            try:
+                self.constraint.advance(token)
+            except ValueError as err:
+                raise ConstraintError(str(err)) from err
         if token in self.stop_ids:
             return None, "stop"
         piece = self.text.add(token)
