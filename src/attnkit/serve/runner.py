@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .graph import CompiledDecode
 from .paged import PagedBatch, PagedKVPool, layer_caches
-from .scheduler import Request, Row
+from .scheduler import Choice, Request, Row
 
 
 def batches(rows: list[Row]) -> list[list[Row]]:
@@ -97,15 +97,6 @@ class Runner:
                 k = requests[b].options.logprobs
                 chosen[b] = Choice(token) if k is None else _logprobs(scores[i], token, k)
         return chosen
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A request's next token, with its log-probability and the ``top`` most likely tokens' when asked for."""
-
-    token: int
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def _logprobs(scores: Tensor, token: int, k: int) -> Choice:

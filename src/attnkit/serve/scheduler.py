@@ -30,7 +30,15 @@ from .blocks import BlockManager
 
 if TYPE_CHECKING:
     from .grammar import Constraint
-    from .runner import Choice
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A request's next token, with its log-probability and the ``top`` most likely tokens' when asked for."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class EngineError(RuntimeError):
