@@ -176,18 +176,20 @@ def test_a_corrupt_or_foreign_cache_file_is_removed_unread(tmp_path: Path, monke
     assert cache.load() == "cold"
 
 
-def test_the_decode_step_traces_as_one_graph() -> None:
-    """A graph break inside the layers (a host sync, a Python branch on a tensor) would fail the fullgraph compile:
-    the engine would serve eagerly forever."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_the_decode_step_traces_as_one_graph(dtype: torch.dtype) -> None:
+    """A graph break inside the layers (a host sync, a Python branch on a tensor) or in the int8 pool's layer cache
+    (quantising, writing codes and scales) would fail the fullgraph compile: the engine would serve eagerly
+    forever."""
     model = _model()
-    pool = PagedKVPool(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8)
+    pool = PagedKVPool(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     positions = torch.tensor([[5], [2]])
     batch = PagedBatch.build([[0, 1], [2]], positions, [6, 3], 4, pool.spare)
     with torch.inference_mode():
         torch._dynamo.reset()
         explained = torch._dynamo.explain(decode_step)(model, torch.tensor([[7], [8]]), positions,
                                                         batch.write_slots, batch.read_slots, batch.key_positions,
-                                                        pool.k, pool.v)
+                                                        pool.k, pool.v, pool.k_scales, pool.v_scales)
         torch._dynamo.reset()
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1

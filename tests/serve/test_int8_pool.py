@@ -18,7 +18,6 @@ from attnkit.models import LlamaConfig, LlamaModel
 from attnkit.models.generation_options import GenerationOptions
 from attnkit.serve import Engine, Event, PagedBatch, PagedKVPool
 from attnkit.serve.compile_cache import CompileCache
-from attnkit.serve.graph import decode_step
 
 
 def _model(head_dim: int = 8, dtype: torch.dtype = torch.float32) -> LlamaModel:
@@ -137,23 +136,6 @@ def test_int8_is_refused_under_a_float16_model_and_taken_under_a_bfloat16_one() 
     assert engine.pool.dtype == torch.int8
     answers = _tokens(engine, _prompts(5, 3), new=4)
     assert [len(a) for a in answers] == [4, 4]
-
-
-def test_the_int8_decode_step_traces_as_one_graph() -> None:
-    """A graph break in the int8 layer cache (quantising, writing codes and scales) would fail the fullgraph
-    compile: the engine would serve eagerly forever."""
-    model = _model()
-    pool = PagedKVPool(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.int8)
-    positions = torch.tensor([[5], [2]])
-    batch = PagedBatch.build([[0, 1], [2]], positions, [6, 3], 4, pool.spare)
-    with torch.inference_mode():
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(decode_step)(model, torch.tensor([[7], [8]]), positions,
-                                                        batch.write_slots, batch.read_slots, batch.key_positions,
-                                                        pool.k, pool.v, pool.k_scales, pool.v_scales)
-        torch._dynamo.reset()
-    assert explained.graph_break_count == 0, explained.break_reasons
-    assert explained.graph_count == 1
 
 
 @pytest.mark.slow  # one graph compiled: about 30 s on two cores with a cold Inductor cache

@@ -38,10 +38,10 @@ import torch
 from torch import Tensor
 
 from attnkit.models.generation_options import kv_storage
+from attnkit.modules.int8_storage import ACTIVATIONS
 from attnkit.modules.kv_cache import CachedKeys
 from attnkit.modules.packed import quantize_rows
 
-INT8_ACTIVATIONS = (torch.float32, torch.bfloat16)  # the model dtypes whose keys an int8 pool takes (as KVCache's)
 SCALE_DTYPE = torch.bfloat16  # an int8 pool's scales: one per (slot, head), for keys and for values
 
 
@@ -79,7 +79,7 @@ def pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) -> 
     if stored is None:
         return model_dtype
     if stored is torch.int8:
-        if model_dtype not in INT8_ACTIVATIONS:
+        if model_dtype not in ACTIVATIONS:  # the dtypes KVCache(dtype=torch.int8) takes
             raise ValueError(f"kv_dtype=int8 stores a float32 or bfloat16 model's keys as int8 codes (as "
                              f"KVCache(dtype=torch.int8)); this model computes in {model_dtype}: use kv_dtype=None")
         return stored
@@ -198,11 +198,15 @@ class PagedLayerCache:
     def restore(self, checkpoint: object) -> None:
         """See :meth:`claim`."""
 
+    def read_through(self, positions: Tensor | None) -> PagedBatch:
+        """The step's batch; a paged cache is only read through one, with explicit positions."""
+        if self.batch is None or positions is None:
+            raise ValueError("a paged cache is read through a PagedBatch with explicit positions")
+        return self.batch
+
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Write k, v (B, G, T, D) to the batch's slots; return every row's keys (B, G, S, D) and positions."""
-        batch = self.batch
-        if batch is None or positions is None:
-            raise ValueError("a paged cache is read through a PagedBatch with explicit positions")
+        batch = self.read_through(positions)
         # (B, G, T, D) -> (B, T, G, D) at slots (B, T), in the pool's dtype (Engine(kv_dtype=...) may store fewer
         # bytes): no flattened copy of the projection's view (which index_copy_ needed: slower at decode), and no
         # guard on B inside a compiled step
@@ -231,9 +235,7 @@ class PagedInt8LayerCache(PagedLayerCache):
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None) -> CachedKeys:
         """Quantise k, v (B, G, T, D) to the batch's slots; return every row's keys (B, G, S, D), dequantised to
         k's dtype, and positions."""
-        batch = self.batch
-        if batch is None or positions is None:
-            raise ValueError("a paged cache is read through a PagedBatch with explicit positions")
+        batch = self.read_through(positions)
         kv = torch.stack((k, v)).transpose(2, 3)  # 2 x (B, G, T, D) -> (2, B, T, G, D)
         codes, scales = quantize_rows(kv, SCALE_DTYPE)  # (2, B, T, G, D) int8, (2, B, T, G) bfloat16
         self.keys.index_put_((batch.write_slots,), codes[0])  # (B, T, G, D) at slots (B, T)
