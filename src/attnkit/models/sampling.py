@@ -42,16 +42,32 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seeds: Tensor, steps: Tensor) -> Tensor:
-    """One number in [0, 1) per row (float64), a function of that row's seed and step alone.
-
-    ``seeds`` and ``steps`` are long tensors (B,) of non-negative values (seeds use 64 bits, steps 32).
-    """
+def _hash_uniform(seeds: Tensor, steps: Tensor) -> Tensor:
+    """:func:`uniform`'s hash, (B,) long, (B,) long -> (B,) float64."""
     low, high = seeds & _MASK32, (seeds >> 32) & _MASK32  # (B,) each
     key = _mix32(low ^ _mix32(high ^ _mix32(steps & _MASK32)))  # (B,)
     first, second = _mix32(key ^ 0x5BD1E995), _mix32(key ^ 0x1B873593)  # two independent 32-bit words
     bits = (first << 21) | (second >> 11)  # 53 random bits (B,)
     return bits.double() / float(2**53)
+
+
+@torch.library.custom_op("attnkit::uniform", mutates_args=())
+def uniform(seeds: Tensor, steps: Tensor) -> Tensor:
+    """One number in [0, 1) per row (float64), a function of that row's seed and step alone.
+
+    ``seeds`` and ``steps`` are long tensors (B,) of non-negative values (seeds use 64 bits, steps 32).
+
+    An op of its own, so that ``torch.compile`` calls it rather than inlining it: each xorshift reads its
+    input twice, and Inductor inlining the five nested hashes into one expression multiplies them into
+    thousands of terms (over a minute to compile a sampled decoding step on a CPU; about 1 s as an op,
+    which runs as some thirty small tensor operations per step).
+    """
+    return _hash_uniform(seeds, steps)
+
+
+@uniform.register_fake
+def _(seeds: Tensor, steps: Tensor) -> Tensor:
+    return seeds.new_empty(seeds.shape, dtype=torch.float64)  # (B,)
 
 
 def row_seeds(seed: int | Sequence[int] | None, batch: int, device: torch.device | str | None = None) -> Tensor:
