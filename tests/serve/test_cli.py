@@ -177,8 +177,7 @@ def test_a_bad_shared_option_is_refused_alike_by_every_command(command: str, opt
 
 @pytest.mark.parametrize(("option", "says"), [
     (["--compile", "--no-compile"], "--compile and --no-compile contradict each other: give one"),
-    (["--cache", "sink:4,1020"], "--cache sink:4,1020 keeps a window for generate and chat; attnkit serve's paged "
-                                 "pool keeps every position"),
+    (["--cache", "sink:4,1020", "--kv-dtype", "bfloat16"], "--cache sink:4,1020 re-rotates the keys it keeps"),
 ])
 def test_serve_refuses_what_its_engine_cannot_honour_naming_it(option: list[str], says: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -239,17 +238,23 @@ def test_serve_on_a_gpu_answers_as_on_the_cpu_and_says_where(tiny: Path, tmp_pat
     assert "(float32 weights, cuda, " in banner
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
-def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path, kv_dtype: str) -> None:
+@pytest.mark.parametrize(("kv_dtype", "cache"), [("bfloat16", "full"), ("int8", "full"), ("float32", "sink:4,28,8")])
+def test_serve_takes_the_shared_options_it_can_honour(tiny: Path, tmp_path: Path, kv_dtype: str, cache: str) -> None:
     """--threads, --kv-dtype (int8 too: generate's int8 cache, served by the paged pool since issue 38), --device
-    cpu and --cache full: a server that answers, and says so."""
+    cpu and --cache (a sink window too, since issue 38: an answer longer than the model's context of 64): a server
+    that answers, and says so."""
     process = ServerProcess.attnkit("--gguf", str(tiny), "--kv-memory", "1", "--kv-dtype", kv_dtype, "--device",
-                                    "cpu", "--cache", "full", threads=1, log=tmp_path / "server.log")
+                                    "cpu", "--cache", cache, threads=1, log=tmp_path / "server.log")
+    new = 2 if cache == "full" else 80
     try:
-        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 2, "temperature": 0}
-        assert httpx.post(process.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        body = {"model": "tiny", "prompt": "hello world", "max_tokens": new, "temperature": 0,
+                "logit_bias": {"1": -100}}  # never the end-of-text id
+        reply = httpx.post(process.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == new
     finally:
         process.stop()
     (banner,) = [line for line in (tmp_path / "server.log").read_text().splitlines() if "attnkit serve:" in line]
     assert banner.startswith("attnkit serve: tiny.gguf, model id tiny (") and "; 1 CPU thread)" in banner
     assert f" {kv_dtype} KV blocks of 16 positions" in banner
+    assert ("each request keeps --cache" in banner) == (cache != "full")

@@ -289,14 +289,22 @@ def check_fit(prompt_len: int, max_new_tokens: int, room: int, what: str) -> Non
 
 
 def check_budget(model: CausalLM, prompt_len: int, options: GenerationOptions) -> tuple[int, ...]:
-    max_new_tokens = options.max_new_tokens
+    """Raise a ValueError if a prompt of ``prompt_len`` tokens and ``options.max_new_tokens`` new ones do not fit
+    the model's context (or its sink window does not), or a stop id or ``logit_bias`` token is not a token id;
+    the stop ids (the model's own when ``options.stop_ids`` is None)."""
     if options.sink is not None:
         if options.sink.capacity > model.context_length:
             raise ValueError(f"cache={options.cache!r} holds up to {options.sink.capacity} positions (sinks + window + "
                              f"chunk - 1), beyond the model's context length {model.context_length}: choose a "
                              "smaller window")
     else:
-        check_fit(prompt_len, max_new_tokens, model.context_length, "the model's context length")
+        check_fit(prompt_len, options.max_new_tokens, model.context_length, "the model's context length")
+    return check_stops(model, options)
+
+
+def check_stops(model: CausalLM, options: GenerationOptions) -> tuple[int, ...]:
+    """The stop ids (the model's own when ``options.stop_ids`` is None); a ValueError if one of them or a
+    ``logit_bias`` token is not a token id."""
     given = options.stop_ids
     if given is not None and (isinstance(given, (str, bytes, Tensor)) or not isinstance(given, Iterable)):
         raise ValueError(f"stop_ids must be a list of token ids (or None: the model's own), got stop_ids={given!r}")

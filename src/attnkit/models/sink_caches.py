@@ -51,6 +51,12 @@ class SinkSpec:
         rope."""
         return sink_caches(model, sinks=self.sinks, window=self.window, chunk=self.chunk)
 
+    def windows(self, model: object) -> list[SinkWindow]:
+        """One :class:`SinkWindow` per attention layer of ``model``, each with that layer's rope (what the serving
+        engine's paged pool evicts by)."""
+        return [SinkWindow(sinks=self.sinks, window=self.window, chunk=self.chunk, rope=attention.rope)
+                for attention in _attentions(model)]
+
     def pieces(self, length: int) -> list[int]:
         """The sizes a prompt of ``length`` tokens is fed in: as much as fits the bound, then a chunk at a time."""
         first = min(length, self.capacity)
@@ -64,9 +70,14 @@ def sink_caches(model: object, *, sinks: int = 4, window: int = 1020, chunk: int
 
     The layers are ``model.layers[i].attention`` (:class:`attnkit.models.decoder.DecoderModel`'s blocks).
     """
+    return [KVCache(eviction=SinkWindow(sinks=sinks, window=window, chunk=chunk, rope=attention.rope))
+            for attention in _attentions(model)]
+
+
+def _attentions(model: object) -> list[Any]:
+    """The attention layer of each block of a decoder (``model.layers[i].attention``); TypeError without them."""
     attentions: list[Any] = [getattr(block, "attention", None) for block in getattr(model, "layers", None) or []]
     if not attentions or not all(hasattr(attention, "rope") for attention in attentions):
         raise TypeError(f"sink caches need a decoder whose blocks hold their attention layer as `attention` "
                         f"(model.layers[i].attention, as attnkit's decoders do); {type(model).__name__} has none")
-    return [KVCache(eviction=SinkWindow(sinks=sinks, window=window, chunk=chunk, rope=attention.rope))
-            for attention in attentions]
+    return attentions

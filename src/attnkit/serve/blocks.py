@@ -51,12 +51,14 @@ class BlockManager:
     Args:
         num_blocks: blocks in the pool (per layer, the same indices).
         block_size: positions per block.
+        reuse: share cached prompt prefixes (default); False when blocks are rewritten in place (a sink
+            window's evictions move a sequence's keys), so that no block is ever shared.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, reuse: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.reuse = num_blocks, block_size, reuse
         self.refs = [0] * num_blocks
         self.hashes: list[int | None] = [None] * num_blocks  # block -> hash of its tokens (full blocks)
         self.ready = [False] * num_blocks  # a hashed block whose keys and values are written
@@ -92,6 +94,8 @@ class BlockManager:
 
         None when a reusable block is not ready yet (its prompt is still being computed): wait.
         """
+        if not self.reuse:
+            return [], []
         size, h = self.block_size, None
         hits: list[int] = []
         chain: list[int] = []
@@ -145,6 +149,8 @@ class BlockManager:
 
         Full blocks that were not registered (filled while decoding) get their hash now, for later reuse.
         """
+        if not self.reuse:
+            return
         size, h = self.block_size, None
         for i in range(length // size):
             h = chain_hash(h, tokens[i * size : (i + 1) * size])

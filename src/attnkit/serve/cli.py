@@ -10,15 +10,16 @@
     attnkit serve --threads 4              # beside other workers: give each process its share of the cores
     attnkit serve --no-compile             # the eager decode step only (no background compile)
     attnkit serve --device cuda            # the model and its KV pool on a GPU
+    attnkit serve --cache sink:4,1020      # each request keeps 4 sinks and a window: answers of any length
 
 --threads, --device, --kv-dtype, --compile and --cache are generate's and chat's options, with their help texts
 and checks (:func:`~attnkit.models.runtime_options.add_runtime_options`): ``--kv-dtype int8`` stores generate's
-int8 codes and scales in the paged pool; what the paged engine cannot do (sink caches) is refused by name, never
-ignored. ``--device cuda`` loads the model on the GPU as generate does (plain float32 weights) and the engine
-keeps its paged KV pool and runs every step there; a device this machine lacks is refused before the load, as by
-generate. The decode step is compiled by default (:mod:`attnkit.serve.graph`): the server answers at once with
-the eager step and switches when the compiled one is ready (the log and ``/health`` say when); ``--no-compile``
-keeps the eager step.
+int8 codes and scales in the paged pool, and ``--cache sink:4,1020`` gives every request generate's window (the
+pool's blocks rewritten as it slides, so no prefix is shared). ``--device cuda`` loads the model on the GPU as
+generate does (plain float32 weights) and the engine keeps its paged KV pool and runs every step there; a device
+this machine lacks is refused before the load, as by generate. The decode step is compiled by default
+(:mod:`attnkit.serve.graph`): the server answers at once with the eager step and switches when the compiled one
+is ready (the log and ``/health`` say when); ``--no-compile`` keeps the eager step.
 
 Imports stay light: torch, the model and FastAPI load only when the command runs.
 """
@@ -107,9 +108,10 @@ def refuse_unserved(args: argparse.Namespace) -> None:
     """Refuse, by name, the shared options' values the paged engine cannot honour (rather than ignore them)."""
     if args.compile and args.no_compile:
         raise ValueError("--compile and --no-compile contradict each other: give one")
-    if args.cache != "full":
-        raise ValueError(f"--cache {args.cache} keeps a window for generate and chat; attnkit serve's paged pool "
-                         "keeps every position: use --cache full (the default)")
+    if args.cache != "full" and args.kv_dtype != "float32":
+        raise ValueError(f"--cache {args.cache} re-rotates the keys it keeps at every eviction, which --kv-dtype "
+                         f"{args.kv_dtype} storage would round again each time: use --kv-dtype float32 with it (as "
+                         "generate and chat)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -232,11 +234,13 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
         _print_log(COMPILE_LOG)  # when the compiled step starts, is ready, or failed
     engine = Engine(model, model.decode, kv_memory_mib=args.kv_memory, block_size=args.block_size,
                     max_batch=args.max_batch, max_waiting=args.max_waiting,
-                    kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype, compile=not args.no_compile)
+                    kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype, compile=not args.no_compile,
+                    cache=args.cache)
     engine.start()
     server = Server(engine, model.tokenizer, model_name=name, aliases=args.alias or (),
                     api_key=args.api_key, context_length=model.context_length, embedder=embedder)
-    beside = "" if embedder is None else f"; embeddings from {EMBEDDING_MODEL} on POST /v1/embeddings"
+    beside = "" if args.cache == "full" else f"; each request keeps --cache {args.cache}"
+    beside += "" if embedder is None else f"; embeddings from {EMBEDDING_MODEL} on POST /v1/embeddings"
     threads = torch.get_num_threads()
     print(f"attnkit serve: {model_name(args)}, model id {name} ({weights} weights, {describe_device(args.device)}; "
           f"{threads} CPU thread{'s' if threads > 1 else ''}) on http://{args.host}:{port} "

@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from math import inf
 from typing import Any
 
 import torch
@@ -44,11 +45,12 @@ from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
 from .compile_cache import CompileCache
+from .door import check_request, check_window
 from .grammar import Constraint
 from .graph import compile_in_background
 from .paged import PagedKVPool
 from .runner import Choice, Runner, batches
-from .scheduler import ConstraintError, EngineError, Event, QueueFullError, Request, Row, Scheduler, check_request
+from .scheduler import ConstraintError, EngineError, Event, QueueFullError, Request, Row, Scheduler
 
 
 class Engine:
@@ -73,19 +75,25 @@ class Engine:
         compile_cache: where the compiled step is kept (default: under
             attnkit's cache folder, :meth:`CompileCache.for_model`).
         device: the model's device (None, the default); another is refused.
+        cache: "full" (default: every position, up to the model's context)
+            or "sink:SINKS,WINDOW[,CHUNK]": each request keeps generate's sink
+            window, of any length, sharing no prefix (:mod:`.scheduler`).
     """
 
     def __init__(self, model: Any, decode: Callable[[list[int]], str], *, kv_memory_mib: float = 256,
                  block_size: int = 16, max_batch: int = 16, token_budget: int = 512, max_waiting: int = 256,
                  kv_dtype: torch.dtype | str | None = None, compile: bool = False,
-                 compile_cache: CompileCache | None = None, device: torch.device | str | None = None) -> None:
+                 compile_cache: CompileCache | None = None, device: torch.device | str | None = None,
+                 cache: str = "full") -> None:
         self.model, self.decode, self.max_waiting = model, decode, max_waiting
         self.pool = PagedKVPool.for_model(model, kv_memory_mib=kv_memory_mib, block_size=block_size,
                                           kv_dtype=kv_dtype, device=device)
-        self.blocks = BlockManager(self.pool.num_blocks, block_size)
-        self.scheduler = Scheduler(self.blocks, max_batch=max_batch, token_budget=token_budget)
+        windows = check_window(model, cache, self.pool.dtype, self.pool.num_blocks * block_size, token_budget)
+        self.window = windows[0] if windows else None  # what the scheduler evicts by (each layer's rope aside)
+        self.blocks = BlockManager(self.pool.num_blocks, block_size, reuse=self.window is None)
+        self.scheduler = Scheduler(self.blocks, max_batch=max_batch, token_budget=token_budget, window=self.window)
         self.graph = compile_in_background(model, self.pool.dtype, compile_cache) if compile else None
-        self.runner = Runner(model, self.pool, self.graph)
+        self.runner = Runner(model, self.pool, self.graph, windows)
         self._inbox: deque[Request] = deque()  # submitted, not yet seen by the engine thread
         self._ids = itertools.count()
         self._lock = threading.Condition()
@@ -116,7 +124,7 @@ class Engine:
         and this request's alone; the request stops ("stop") when it is done.
         """
         prompt = list(prompt)
-        stop_ids = check_request(self.model, prompt, options, self.capacity)
+        stop_ids = check_request(self.model, prompt, options, self.capacity, self.window)
         with self._lock:
             if self.error is not None:
                 raise EngineError(f"the engine stopped after an error: {self.error!r}")
@@ -193,8 +201,10 @@ class Engine:
             self._inbox.clear()
         for request in [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.cancelled]:
             self._finish(request, "cancelled")
-        decoding, prefill = self.scheduler.schedule()
-        produced = sum(self._run(rows) for rows in batches(decoding + prefill))
+        plan = self.scheduler.schedule()
+        for shift in plan.shifts:
+            self.runner.evict(shift)
+        produced = sum(self._run(rows) for rows in batches(plan.decoding + plan.prefill))
         self._rate.append((time.monotonic(), produced))
 
     def _run(self, rows: list[Row]) -> int:
@@ -212,7 +222,7 @@ class Engine:
     def _accept(self, request: Request, choice: Choice) -> None:
         self.stats["generated_tokens_total"] += 1
         try:
-            piece, reason = request.take(choice.token, self.model.context_length)
+            piece, reason = request.take(choice.token, self.model.context_length if self.window is None else inf)
         except ConstraintError as err:  # a grammar that broke down ends its request alone
             self._finish(request, "error", [choice.token], error=f"constrained decoding failed: {err}")
             return

@@ -177,19 +177,21 @@ class Server:
 
     def _params(self, body: Mapping[str, Any], prompt_len: int, source: str, logprobs: int | None
                 ) -> GenerationOptions:
-        """The sampling options, with OpenAI's defaults (temperature 1, max_tokens the room left); ``source`` is
-        the field the prompt came from ("messages" or "prompt")."""
+        """The sampling options, with OpenAI's defaults (temperature 1, max_tokens the room left: with a sink
+        window, the context length); ``source`` is the field the prompt came from ("messages" or "prompt")."""
         refuse_unsupported(body)
         model = body.get("model")
         if not isinstance(model, str):
             raise bad("model", f"expected the model's name, got {json.dumps(model)}")
         if model not in self.names:
             raise no_such_model(model, self.names)
+        limit = integer(body, "max_completion_tokens", 1) or integer(body, "max_tokens", 1)
+        if self.engine.window is not None:  # a sink window: any length; by default, up to a context of new tokens
+            return self._options(body, limit or self.context_length, logprobs)
         room = self.context_length - prompt_len
         if room < 1:
             raise too_long(source, f"the prompt has {prompt_len} tokens: no room left in the context window "
                                     f"of {self.context_length}")
-        limit = integer(body, "max_completion_tokens", 1) or integer(body, "max_tokens", 1)
         room = min(room, self.engine.capacity - prompt_len)  # what the KV memory can hold besides the prompt
         if room < 1:
             raise too_long(source, f"the prompt has {prompt_len} tokens, more than this server's KV memory "
@@ -199,6 +201,10 @@ class Server:
             raise bad(name, f"{limit} new tokens do not fit: the prompt has {prompt_len} tokens, the context "
                              f"window is {self.context_length} and the KV memory {self.engine.capacity} positions; "
                              f"ask for at most {room}")
+        return self._options(body, min(limit or room, room), logprobs)
+
+    def _options(self, body: Mapping[str, Any], max_new_tokens: int, logprobs: int | None) -> GenerationOptions:
+        """The request's sampling options for an answer of at most ``max_new_tokens`` tokens."""
         temperature, top_p = sampling(body)
         frequency, presence, repetition = penalties(body)
         seed = integer(body, "seed", -(2**63), 2**63 - 1)
@@ -206,7 +212,7 @@ class Server:
         outside = next((token for token in bias or () if token >= vocab), None)
         if outside is not None:
             raise bad("logit_bias", f"token id {outside} is outside the vocabulary [0, {vocab})")
-        return GenerationOptions(max_new_tokens=min(limit or room, room), temperature=temperature, top_p=top_p,
+        return GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  seed=None if seed is None else seed % 2**62, stop=stops(body), logprobs=logprobs,
                                  frequency_penalty=frequency, presence_penalty=presence,
                                  repetition_penalty=repetition, logit_bias=bias)

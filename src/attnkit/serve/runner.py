@@ -11,6 +11,8 @@ and sampler as ``generate`` alone), with its logprobs when asked for. A row's
 a constraint (:mod:`attnkit.serve.grammar`) has the tokens it forbids set to
 -inf, each row by its own constraint. A penalised request's (counts, seen) are
 kept between steps (:class:`History`) and take each new token as it comes.
+With a sink window, the runner carries out the scheduler's evictions
+(:meth:`Runner.evict`) before the step's forwards.
 
 Legend: B rows in a forward, T tokens per row, V vocabulary.
 """
@@ -25,9 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.modules.sink_window import SinkWindow
+
 from .graph import CompiledDecode
 from .paged import PagedBatch, PagedKVPool, layer_caches
-from .scheduler import Choice, Request, Row
+from .scheduler import Choice, Request, Row, Shift
 
 
 def batches(rows: list[Row]) -> list[list[Row]]:
@@ -43,10 +47,12 @@ def batches(rows: list[Row]) -> list[list[Row]]:
 
 class Runner:
     """Runs rows of requests through ``model`` (an attnkit decoder) over ``pool``; all-decode steps through
-    ``graph`` once it is ready (:mod:`attnkit.serve.graph`), every other step eagerly."""
+    ``graph`` once it is ready (:mod:`attnkit.serve.graph`), every other step eagerly. ``windows``: each layer's
+    sink window (its rotary embedding re-rotates the keys an eviction moves), or none."""
 
-    def __init__(self, model: Any, pool: PagedKVPool, graph: CompiledDecode | None = None) -> None:
-        self.model, self.pool, self.graph = model, pool, graph
+    def __init__(self, model: Any, pool: PagedKVPool, graph: CompiledDecode | None = None,
+                 windows: list[SinkWindow] | None = None) -> None:
+        self.model, self.pool, self.graph, self.windows = model, pool, graph, windows or []
         # each penalised request's History, dropped with the request (its last reference gone)
         self.histories: weakref.WeakKeyDictionary[Request, History] = weakref.WeakKeyDictionary()
 
@@ -56,12 +62,12 @@ class Runner:
         ids = torch.zeros(len(rows), width, dtype=torch.long)  # (B, T)
         positions = torch.full((len(rows), width), -1, dtype=torch.long)  # (B, T), -1 = padding
         for b, row in enumerate(rows):
-            start = row.request.computed
+            start, held = row.request.computed, row.request.held  # the next token's index and its position
             ids[b, width - row.length :] = torch.tensor(row.request.tokens[start : start + row.length])
-            positions[b, width - row.length :] = torch.arange(start, start + row.length)
+            positions[b, width - row.length :] = torch.arange(held, held + row.length)
         device = self.pool.device  # filled row by row on the CPU, then one copy each to a GPU (none on the CPU)
         ids, positions = ids.to(device), positions.to(device)
-        lengths = [row.request.computed + row.length for row in rows]
+        lengths = [row.request.held + row.length for row in rows]
         batch = PagedBatch.build([row.request.blocks for row in rows], positions, lengths, self.pool.block_size,
                                  self.pool.spare)
         pool = self.pool  # an int8 pool's scales go with its codes; a float pool's scale lists are empty
@@ -71,6 +77,20 @@ class Runner:
                 return logits
         return self.model.step(ids, positions, layer_caches(pool.k, pool.v, batch, pool.k_scales,
                                                             pool.v_scales))  # (B, V)
+
+    def evict(self, shift: Shift) -> None:
+        """Carry out a sink window's eviction in every layer: the window positions after the ``shift.by`` oldest
+        move down by ``shift.by`` (keys re-rotated by ``-shift.by``, as ``KVCache`` with a SinkWindow does)."""
+        size, sinks = self.pool.block_size, self.windows[0].sinks
+        table = torch.tensor(shift.request.blocks, device=self.pool.device)  # (blocks,)
+        kept = torch.arange(sinks + shift.by, shift.held, device=self.pool.device)  # (n,) positions kept
+        source = table[kept // size] * size + kept % size  # (n,) slots
+        moved = kept - shift.by
+        target = table[moved // size] * size + moved % size  # (n,) slots
+        for keys, values, window in zip(self.pool.k, self.pool.v, self.windows, strict=True):
+            rotated = window.shifted(keys[source].transpose(0, 1)[None], shift.by)  # (n, G, D) -> (1, G, n, D)
+            keys[target] = rotated[0].transpose(0, 1)  # (1, G, n, D) -> (n, G, D)
+            values[target] = values[source]  # the gather copies before the overlapping write
 
     def sample(self, requests: list[Request], logits: Tensor) -> list[Choice]:
         """Each request's next token from its row of ``logits`` (B, V), grouped by sampling options, with the

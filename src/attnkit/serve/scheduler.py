@@ -12,6 +12,13 @@ the :class:`Scheduler`
 3. hands the runner its rows: each decoding request's last token, and
    prompt chunks of prefilling requests within ``token_budget`` tokens.
 
+With a sink window (``Engine(cache="sink:4,1020")``) a request keeps its first
+tokens and a recent window as ``generate(cache=...)`` does: it is fed in
+``generate``'s pieces, and a row that would pass the window first evicts the
+oldest window positions (a :class:`Shift`, which the runner carries out), so
+it holds at most the window's blocks, whatever its length. Evictions rewrite
+blocks: no prefix is shared.
+
 No tensors and no threads here: the engine calls it from its one thread.
 """
 
@@ -23,12 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from attnkit.models.generation_options import GenerationOptions, check_budget, check_fit
+from attnkit.models.generation_options import GenerationOptions
 from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
 
 if TYPE_CHECKING:
+    from attnkit.modules.sink_window import SinkWindow
+
     from .grammar import Constraint
 
 
@@ -80,7 +89,8 @@ class Request:
     text: TextStream
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    computed: int = 0  # positions whose keys and values are in the pool
+    computed: int = 0  # tokens whose keys and values went into the pool
+    evicted: int = 0  # of those, window positions a sink window dropped (see :class:`Shift`)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     generated: int = 0
     cancelled: bool = False
@@ -93,7 +103,12 @@ class Request:
     def prefilling(self) -> bool:
         return self.computed < len(self.tokens) - 1
 
-    def take(self, token: int, context_length: int) -> tuple[str | None, str | None]:
+    @property
+    def held(self) -> int:
+        """Positions the request holds in the pool: its next token's position."""
+        return self.computed - self.evicted
+
+    def take(self, token: int, context_length: float) -> tuple[str | None, str | None]:
         """Append a sampled ``token``: the text it shows (None for a stop id: "stop" at once) and the reason the
         request ends after it, if it does ("stop": a stop string or a complete constraint, "length": its
         ``max_new_tokens`` or the model's context). Raises :class:`ConstraintError` if the constraint cannot take it."""
@@ -118,10 +133,30 @@ class Request:
 
 @dataclass(frozen=True)
 class Row:
-    """One row of a step's forward: ``length`` tokens of ``request`` from position ``request.computed``."""
+    """One row of a step's forward: ``length`` tokens of ``request`` from token ``request.computed``, at
+    positions from ``request.held``."""
 
     request: Request
     length: int
+
+
+@dataclass(frozen=True)
+class Shift:
+    """A sink window's eviction, for the runner to carry out before the step's forwards: ``request``'s window
+    positions ``sinks + by .. held - 1`` move to ``sinks .. held - by - 1`` (keys re-rotated by ``-by``)."""
+
+    request: Request
+    held: int  # positions held before the eviction
+    by: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step: its decoding rows, its prefill rows, and the evictions to carry out before them."""
+
+    decoding: list[Row]
+    prefill: list[Row]
+    shifts: list[Shift] = field(default_factory=list)
 
 
 class Scheduler:
@@ -131,25 +166,51 @@ class Scheduler:
         blocks: the KV blocks the running requests hold.
         max_batch: most requests running at once.
         token_budget: most prompt tokens prefilled per step.
+        window: None (every position kept), or a sink window every request keeps (``blocks`` must not reuse
+            prefixes, and ``token_budget`` must take a whole chunk).
     """
 
-    def __init__(self, blocks: BlockManager, *, max_batch: int, token_budget: int) -> None:
-        self.blocks, self.max_batch, self.token_budget = blocks, max_batch, token_budget
+    def __init__(self, blocks: BlockManager, *, max_batch: int, token_budget: int,
+                 window: SinkWindow | None = None) -> None:
+        self.blocks, self.max_batch, self.token_budget, self.window = blocks, max_batch, token_budget, window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = self.prompt_tokens = 0
 
-    def schedule(self) -> tuple[list[Row], list[Row]]:
-        """Admit what fits, then (decoding rows, prefill rows) for this step."""
+    def schedule(self) -> Plan:
+        """Admit what fits, then this step's decoding rows, prefill rows and evictions."""
         self._admit()
+        shifts = [self._evict(r, 1) for r in self.running if not r.prefilling]
         decoding = [Row(r, 1) for r in self._make_room([r for r in self.running if not r.prefilling])]
         prefill, budget = [], self.token_budget
         for request in self.running:
-            if request.prefilling and budget > 0:
-                chunk = min(len(request.tokens) - request.computed, budget)
+            chunk = min(self._piece(request), budget) if request.prefilling else 0
+            if chunk > 0:
+                shifts.append(self._evict(request, chunk))
                 prefill.append(Row(request, chunk))
                 budget -= chunk
-        return decoding, prefill
+        return Plan(decoding, prefill, [s for s in shifts if s is not None and s.request in self.running])
+
+    def _piece(self, request: Request) -> int:
+        """The most tokens of a prefilling request the next row may take: the rest of its tokens, or with a sink
+        window the rest of the piece ``generate`` would feed (0: wait for a budget that takes it whole)."""
+        left = len(request.tokens) - request.computed
+        if self.window is None:
+            return left
+        first = min(len(request.tokens), self.window.capacity)  # nothing is evicted inside the first piece
+        if request.computed < first:
+            return first - request.computed
+        piece = min(self.window.chunk - (request.computed - first) % self.window.chunk, left)
+        return piece if piece <= self.token_budget else 0
+
+    def _evict(self, request: Request, length: int) -> Shift | None:
+        """With a sink window, the eviction a row of ``length`` tokens needs first (as ``KVCache`` evicts)."""
+        by = 0 if self.window is None else self.window.evicted_before(request.held, length)
+        if by == 0:
+            return None
+        shift = Shift(request, request.held, by)
+        request.evicted += by
+        return shift
 
     def gauges(self) -> dict[str, float]:
         """What /metrics reports of the queue and the KV blocks (Prometheus-style names without the prefix)."""
@@ -179,7 +240,9 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
-            allocation = self.blocks.allocate(request.tokens, reserve=1)
+            # a sink window holds at most its capacity: blocks for the first piece, then reused
+            held = request.tokens if self.window is None else request.tokens[: self.window.capacity]
+            allocation = self.blocks.allocate(held, reserve=1)
             if allocation is None:
                 break
             self.waiting.popleft()
@@ -193,7 +256,7 @@ class Scheduler:
         """A slot for each decoding request's next token; preempt the newest running ones while none is free."""
         ready = []
         for request in sorted(decoding, key=lambda r: r.arrival):
-            while request in self.running and not self.blocks.grow(request.blocks, len(request.tokens)):
+            while request in self.running and not self.blocks.grow(request.blocks, request.held + 1):
                 self._preempt(max(self.running, key=lambda r: r.arrival))  # the newest (maybe this one)
             if request in self.running:
                 ready.append(request)
@@ -202,22 +265,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it first again (it recomputes its tokens later)."""
         self.blocks.release(request.blocks)
-        request.blocks, request.computed = [], 0
+        request.blocks, request.computed, request.evicted = [], 0, 0
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.preemptions += 1
-
-
-def check_request(model: Any, prompt: list[int], options: GenerationOptions, capacity: int) -> tuple[int, ...]:
-    """What the engine checks of a request at the door (ValueError naming the problem); its stop ids."""
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    if options.compile or options.sink is not None or options.kv_dtype is not None:
-        raise ValueError("compile, cache and kv_dtype are the engine's settings (Engine(kv_dtype=...)), not a "
-                         f"request's: got compile={options.compile}, cache={options.cache!r}, "
-                         f"kv_dtype={options.kv_dtype}")
-    if min(prompt) < 0 or max(prompt) >= model.vocab_size:
-        raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {model.vocab_size})")
-    stop_ids = check_budget(model, len(prompt), options)
-    check_fit(len(prompt), options.max_new_tokens, capacity, "the server's KV memory")
-    return stop_ids

@@ -1,0 +1,102 @@
+"""The engine with a sink window (``Engine(cache="sink:...")``, ``attnkit serve --cache sink:...``): each request
+keeps its first tokens and a recent window in the paged pool, and answers as ``generate(cache=...)`` does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnkit.models.generation_options import GenerationOptions
+from attnkit.serve.paged import PagedKVPool
+
+from ._engine import run_requests, tiny_engine, tiny_model
+
+MODEL = tiny_model()  # float64: the paged and the dense cache round alike, so sampled tokens match exactly
+HOT = 8.0  # the tiny random model repeats its last token at temperature 1; hot sampling makes every step count
+
+
+def alone(prompt: list[int], cache: str, max_new_tokens: int, seed: int) -> list[int]:
+    """What ``generate`` samples for one prompt with the same window and seed."""
+    out = MODEL.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=max_new_tokens, temperature=HOT,
+                         seed=seed)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_every_request_samples_what_generate_samples_with_the_same_window() -> None:
+    """Prompts longer than the window (fed in generate's pieces), answers past the model's context of 128: each
+    request of a batch equals generate alone, and a full cache would have answered otherwise."""
+    cache = "sink:4,12,4"  # 19 positions at most
+    prompts = [list(range(1, 31)), list(range(5, 12)), [3, 7, 9] * 15]
+    lengths = [150, 40, 20]
+    options = [GenerationOptions(max_new_tokens=n, temperature=HOT, seed=s) for s, n in enumerate(lengths)]
+    results = run_requests(tiny_engine(MODEL, cache=cache, token_budget=8), prompts, options)
+    for prompt, option, (tokens, reason) in zip(prompts, options, results, strict=True):
+        assert reason == "length" and len(tokens) == option.max_new_tokens
+        assert tokens == alone(prompt, cache, option.max_new_tokens, option.seed)
+    full = MODEL.generate(torch.tensor([prompts[0]]), max_new_tokens=60, temperature=HOT, seed=0)[0, 30:].tolist()
+    assert results[0][0][:60] != full  # the window was in use
+
+
+@settings(max_examples=12, deadline=None)
+@given(sinks=st.integers(1, 4), window=st.integers(2, 10), chunk=st.integers(1, 6), prompt_len=st.integers(1, 40),
+       new=st.integers(1, 40), budget_extra=st.integers(0, 8))
+def test_any_window_and_budget_answer_as_generate(sinks: int, window: int, chunk: int, prompt_len: int, new: int,
+                                                  budget_extra: int) -> None:
+    """Any window, chunk, prompt length and prefill budget (at least a chunk): generate's tokens."""
+    cache = f"sink:{sinks},{window},{chunk}"
+    prompt = [(7 * i + 3) % 50 for i in range(prompt_len)]
+    engine = tiny_engine(MODEL, cache=cache, token_budget=chunk + budget_extra)
+    [(tokens, _)] = run_requests(engine, [prompt], [GenerationOptions(max_new_tokens=new, temperature=HOT, seed=5)])
+    assert tokens == alone(prompt, cache, new, 5)
+
+
+def test_a_request_holds_at_most_its_window_in_blocks_whatever_its_length() -> None:
+    engine = tiny_engine(MODEL, cache="sink:4,12,4", token_budget=8)  # 19 positions: 5 blocks of 4 with the next
+    done: list[str] = []
+    engine.submit(list(range(1, 41)), GenerationOptions(max_new_tokens=200),
+                  lambda event: done.append(event.finish_reason or ""))
+    most = 0
+    while not engine.idle:
+        engine.step()
+        most = max(most, int(engine.metrics()["kv_blocks_used"]))
+    assert done[-1] == "length" and len(done) == 200 + 1  # one event per token, then the end
+    assert most == 5
+    assert engine.metrics()["kv_blocks_free"] == engine.metrics()["kv_blocks"]
+
+
+def test_preempted_sink_requests_still_finish_and_free_their_blocks() -> None:
+    """A pool of 12 blocks for four requests of up to 5: preemption recomputes a request's tokens from the start."""
+    block = PagedKVPool.bytes_per_block(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float64)
+    engine = tiny_engine(MODEL, cache="sink:4,12,4", token_budget=8, kv_memory_mib=12 * block / 2**20)
+    assert engine.metrics()["kv_blocks"] == 12
+    prompts = [list(range(i, i + 6)) for i in range(4)]  # admitted in 2 blocks each, growing to 5
+    results = run_requests(engine, prompts, [GenerationOptions(max_new_tokens=60, temperature=HOT, seed=1)] * 4)
+    assert all(reason == "length" and len(tokens) == 60 for tokens, reason in results)
+    metrics = engine.metrics()
+    assert metrics["preemptions_total"] > 0 and metrics["kv_blocks_free"] == 12
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"kv_dtype": "bfloat16"}, "which torch.bfloat16 storage would round again"),
+    ({"token_budget": 3}, "give token_budget >= 4"),
+    ({"cache": "sink:4,200"}, "beyond the model's context length 128"),
+    ({"cache": "sink:4,100,8", "kv_memory_mib": 0.02}, "more than the KV memory's"),
+    ({"cache": "sink:4"}, 'cache must be "full"'),
+])
+def test_a_window_the_engine_cannot_keep_is_refused_naming_why(options: dict[str, object], says: str) -> None:
+    model = tiny_model().float()  # float32: a narrower pool is allowed without a window
+    options = {"cache": "sink:4,12,4", **options}
+    with pytest.raises(ValueError, match=says):
+        tiny_engine(model, **options)
+
+
+def test_a_window_takes_prompts_and_answers_longer_than_the_context_or_the_pool() -> None:
+    """Without a window, a prompt past the context is refused at the door; with one it is served."""
+    engine = tiny_engine(MODEL, cache="sink:4,12,4", kv_memory_mib=0.01)
+    assert engine.capacity < 200
+    [(tokens, reason)] = run_requests(engine, [list(range(50)) * 4], [GenerationOptions(max_new_tokens=150)])
+    assert reason == "length" and len(tokens) == 150
+    with pytest.raises(ValueError, match="more than the model's context length"):
+        tiny_engine(MODEL).submit(list(range(50)) * 4, GenerationOptions(max_new_tokens=1), lambda event: None)
