@@ -59,8 +59,8 @@ def uniform(seeds: Tensor, steps: Tensor) -> Tensor:
 
     An op of its own, so that ``torch.compile`` calls it rather than inlining it: each xorshift reads its
     input twice, and Inductor inlining the five nested hashes into one expression multiplies them into
-    thousands of terms (over a minute to compile a sampled decoding step on a CPU; about 1 s as an op,
-    which runs as some thirty small tensor operations per step).
+    thousands of terms, which take longer to compile than the rest of a decoding step (BENCHMARKS.md, round
+    seventeen); as an op it runs as some thirty small tensor operations per step.
     """
     return _hash_uniform(seeds, steps)
 
