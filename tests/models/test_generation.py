@@ -269,6 +269,22 @@ def test_stream_holds_back_incomplete_utf8(tiny32: Any) -> None:
     assert pieces == ["é", "€"]
 
 
+def test_stream_shows_undecodable_bytes_after_four_tokens_not_at_the_end() -> None:
+    """Bug: a run of continuation bytes (not one character: a UTF-8 character has at most 4 bytes) was held back
+    as long as it lasted, decoded again at every token, and shown only at the answer's end."""
+    from attnkit.models.text import TextStream
+
+    def decode(ids: list[int]) -> str:  # one token per byte
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = [0x80] * 10 + [ord("a")]  # stray continuation bytes
+    text = TextStream(decode)
+    pieces = [text.add(t) for t in ids]
+    assert "".join([*pieces, text.flush()]) == decode(ids)
+    assert "".join(pieces[:5]).startswith("\ufffd")  # shown by the fifth token, not held to the end
+    assert [text.add(t) for t in "é".encode()] == ["", "é"]  # a real character is still held until complete
+
+
 def test_stream_ends_at_a_stop_string_and_never_shows_it(tiny32: Any) -> None:
     """A stop string that spans tokens ends the text where it starts; nothing of it or after it is shown."""
     ids = tiny32.tokenize("the")["input_ids"]

@@ -91,3 +91,35 @@ def test_every_block_is_either_free_or_referenced(requests: list[tuple[list[int]
     assert set(m.pool) == {b for b in range(8) if m.refs[b] == 0}
     for h, b in m.by_hash.items():
         assert m.hashes[b] == h  # no stale entry
+
+
+def test_a_sequence_about_to_rewrite_its_blocks_copies_the_shared_and_keeps_the_cache() -> None:
+    """private(): a shared block is replaced by a copy (the sharer keeps the original), an unshared cached block is
+    copied while free blocks remain (the original stays a reusable prefix), else it leaves the cache."""
+    m = BlockManager(6, 4)
+    tokens = list(range(9))
+    a = m.allocate(tokens)
+    assert a is not None
+    m.written(a.blocks, 9, tokens)
+    b = m.allocate(tokens)
+    assert b is not None and b.blocks[:2] == a.blocks[:2]  # 2 shared full blocks; 4 of 6 blocks held
+    originals = list(b.blocks)
+    copies = m.private(b.blocks)
+    assert copies == [(originals[0], b.blocks[0]), (originals[1], b.blocks[1])] and b.blocks[2] == originals[2]
+    assert a.blocks[:2] == originals[:2] and m.refs[originals[0]] == 1 and m.free_blocks == 0
+    assert m.private(a.blocks) == []  # nothing shared now, and no free block to keep a's cached prefix in
+    m.release(b.blocks)
+    again = m.allocate(tokens)
+    assert again is not None and again.cached_tokens == 0  # a's prefix left the cache; b's copies never joined it
+
+
+def test_no_blocks_for_the_shared_copies_changes_nothing() -> None:
+    m = BlockManager(5, 4)
+    tokens = list(range(9))
+    a = m.allocate(tokens)
+    assert a is not None
+    m.written(a.blocks, 9, tokens)
+    b = m.allocate(tokens, reserve=4)  # 2 shared + 2 new blocks: the pool is full
+    assert b is not None and m.free_blocks == 0
+    held = list(b.blocks)
+    assert m.private(b.blocks) is None and b.blocks == held and m.refs[held[0]] == 2

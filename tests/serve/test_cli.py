@@ -187,6 +187,15 @@ def test_serve_refuses_what_its_engine_cannot_honour_naming_it(option: list[str]
     assert err.count("\n") == 1 and says in err
 
 
+@pytest.mark.parametrize("option", [["--cache", "sink:4,60"], ["--kv-dtype", "int8"], ["--compile"]])
+def test_serve_minilm_refuses_the_text_models_options_rather_than_ignore_them(option: list[str],
+                                                                             capsys: pytest.CaptureFixture[str]
+                                                                             ) -> None:
+    assert main(["serve", "--model", "minilm", *option]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{option[0]} is for a text model" in err and "drop it" in err
+
+
 @pytest.mark.skipif(torch_cuda(), reason="a GPU that is not here; this machine has one")
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_a_gpu_this_machine_lacks_is_refused_alike_by_every_command(command: str,

@@ -9,9 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnkit.models.generation_options import GenerationOptions
+from attnkit.serve.api import Server, create_app
 from attnkit.serve.paged import PagedKVPool
+from tests._util import need
+from tests.serve._engine import Words, run_requests, tiny_engine, tiny_model
 
-from ._engine import run_requests, tiny_engine, tiny_model
+testclient = need("fastapi.testclient")
 
 MODEL = tiny_model()  # float64: the paged and the dense cache round alike, so sampled tokens match exactly
 HOT = 8.0  # the tiny random model repeats its last token at temperature 1; hot sampling makes every step count
@@ -50,6 +53,26 @@ def test_any_window_and_budget_answer_as_generate(sinks: int, window: int, chunk
     engine = tiny_engine(MODEL, cache=cache, token_budget=chunk + budget_extra)
     [(tokens, _)] = run_requests(engine, [prompt], [GenerationOptions(max_new_tokens=new, temperature=HOT, seed=5)])
     assert tokens == alone(prompt, cache, new, 5)
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_answers_to_one_prompt_share_its_prefill_and_each_still_samples_as_generate(together: bool) -> None:
+    """n answers (together) or a later request (after the first finished) reuse the prompt's cached blocks while it
+    fits the window; at an answer's first eviction the blocks it shares are copied first, so no answer's
+    evictions move another's keys (a missing copy changes the other answers' tokens)."""
+    cache, prompt = "sink:4,12,4", [(5 * i + 1) % 50 for i in range(17)]  # 4 full blocks of 4, within the window
+    engine = tiny_engine(MODEL, cache=cache, token_budget=8)
+    seeds = [11, 12, 13]
+    options = [GenerationOptions(max_new_tokens=40, temperature=HOT, seed=s) for s in seeds]
+    if together:
+        results = run_requests(engine, [prompt] * 3, options)
+    else:
+        results = [run_requests(engine, [prompt], [option])[0] for option in options]
+    for seed, (tokens, _) in zip(seeds, results, strict=True):
+        assert tokens == alone(prompt, cache, 40, seed)
+    metrics = engine.metrics()
+    assert metrics["prompt_tokens_total"] == 17 + 2 * 1  # the others recompute the last token only
+    assert metrics["kv_blocks_free"] == metrics["kv_blocks"]
 
 
 def test_a_request_holds_at_most_its_window_in_blocks_whatever_its_length() -> None:
@@ -100,3 +123,22 @@ def test_a_window_takes_prompts_and_answers_longer_than_the_context_or_the_pool(
     assert reason == "length" and len(tokens) == 150
     with pytest.raises(ValueError, match="more than the model's context length"):
         tiny_engine(MODEL).submit(list(range(50)) * 4, GenerationOptions(max_new_tokens=1), lambda event: None)
+
+
+def test_the_server_answers_past_the_context_with_a_window_within_a_bound() -> None:
+    """With a window, max_tokens may pass the context (128 here; by default an answer is one context long) up to
+    2**17; beyond, a 400 names the field (an answer that never ends would hold its slot for good)."""
+    engine = tiny_engine(MODEL, cache="sink:4,12,4")
+    engine.start()
+    try:
+        client = testclient.TestClient(create_app(Server(engine, Words(), model_name="tiny", context_length=128)))
+        body = {"model": "tiny", "prompt": "a bb ccc", "temperature": 0}
+        long = client.post("/v1/completions", json=body | {"max_tokens": 300})
+        default = client.post("/v1/completions", json=body)
+        endless = client.post("/v1/completions", json=body | {"max_tokens": 2**17 + 1})
+    finally:
+        engine.shutdown()
+    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 300
+    assert default.status_code == 200 and default.json()["usage"]["completion_tokens"] == 128
+    assert endless.status_code == 400 and endless.json()["error"]["param"] == "max_tokens"
+    assert "at most 131072" in endless.json()["error"]["message"]

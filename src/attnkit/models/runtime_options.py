@@ -57,8 +57,8 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default="full", metavar="full|sink:SINKS,WINDOW[,CHUNK]",
                    help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
                    "first 4 tokens and a recent window of 1020 (StreamingLLM), in constant memory and with no "
-                   "limit on --max-new-tokens (attnkit chat then recomputes the conversation each turn; attnkit "
-                   "serve keeps each request's window in its paged pool, sharing no prefix)")
+                   "limit on the answer's length (--max-new-tokens; attnkit chat then recomputes the conversation "
+                   "each turn; attnkit serve keeps each request's window in its paged pool, max_tokens up to 131072)")
 
 
 def check_runtime_options(args: argparse.Namespace) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+MAX_HELD = 4  # tokens held back for an incomplete character: a UTF-8 character has at most 4 bytes
+
 
 class IncrementalDecoder:
     """Text of a growing list of token ids, new text only, decoding a short window each time.
@@ -17,7 +19,8 @@ class IncrementalDecoder:
     The window starts at the tokens of the last piece returned, so a decoder
     that drops a leading space at the start of a text still sees what precedes
     the new tokens; text is held back while it ends in an incomplete
-    character. Linear in the answer's length.
+    character, for at most :data:`MAX_HELD` tokens (longer, it is not one
+    character: undecodable bytes show as U+FFFD). Linear in the answer's length.
 
     ``context``: the ids before the first new one (the prompt's last), decoded
     only as the first window's start: a SentencePiece decoder drops the space
@@ -40,7 +43,8 @@ class IncrementalDecoder:
 
     def _take(self, *, final: bool) -> str:
         before, after = self.decode(self.ids[self._start : self._shown]), self.decode(self.ids[self._start :])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+        incomplete = after.endswith("\ufffd") and len(self.ids) - self._shown < MAX_HELD and not final
+        if len(after) <= len(before) or incomplete:
             return ""
         self._start, self._shown = self._shown, len(self.ids)
         return after[len(before) :]

@@ -51,14 +51,12 @@ class BlockManager:
     Args:
         num_blocks: blocks in the pool (per layer, the same indices).
         block_size: positions per block.
-        reuse: share cached prompt prefixes (default); False when blocks are rewritten in place (a sink
-            window's evictions move a sequence's keys), so that no block is ever shared.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, reuse: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks, self.block_size, self.reuse = num_blocks, block_size, reuse
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.refs = [0] * num_blocks
         self.hashes: list[int | None] = [None] * num_blocks  # block -> hash of its tokens (full blocks)
         self.ready = [False] * num_blocks  # a hashed block whose keys and values are written
@@ -94,8 +92,6 @@ class BlockManager:
 
         None when a reusable block is not ready yet (its prompt is still being computed): wait.
         """
-        if not self.reuse:
-            return [], []
         size, h = self.block_size, None
         hits: list[int] = []
         chain: list[int] = []
@@ -149,8 +145,6 @@ class BlockManager:
 
         Full blocks that were not registered (filled while decoding) get their hash now, for later reuse.
         """
-        if not self.reuse:
-            return
         size, h = self.block_size, None
         for i in range(length // size):
             h = chain_hash(h, tokens[i * size : (i + 1) * size])
@@ -159,6 +153,28 @@ class BlockManager:
                 self.by_hash[h], self.hashes[block] = block, h
             if self.hashes[block] == h:
                 self.ready[block] = True
+
+    def private(self, blocks: list[int]) -> list[tuple[int, int]] | None:
+        """Make a sequence's blocks its own before it rewrites them in place (a sink window's eviction): each block
+        another sequence shares is replaced in ``blocks`` by a fresh one (the original kept for the others), and so
+        is each that holds a cached prefix while free blocks remain (the original stays cached; without room, it
+        leaves the cache instead). The (original, copy) pairs whose keys and values the caller must copy; None,
+        changing nothing, when the pool has too few free blocks for the shared ones."""
+        shared = [i for i, block in enumerate(blocks) if self.refs[block] > 1]
+        cached = [i for i, block in enumerate(blocks) if self.refs[block] == 1 and self.ready[block]]
+        if len(shared) > len(self.pool):
+            return None
+        moved = shared + cached[: len(self.pool) - len(shared)]
+        copies = [(blocks[i], self._take()) for i in moved]
+        for i, (_, copy) in zip(moved, copies, strict=True):
+            blocks[i] = copy
+        for block in blocks:  # what stays leaves the cache
+            old = self.hashes[block]
+            if old is not None and self.by_hash.get(old) == block:
+                del self.by_hash[old]
+            self.hashes[block], self.ready[block] = None, False
+        self.release([original for original, _ in copies])  # held by the others, or cached and free
+        return copies
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop a sequence's hold on its blocks; unreferenced ones join the pool (newest last)."""

@@ -77,7 +77,7 @@ class Engine:
         device: the model's device (None, the default); another is refused.
         cache: "full" (default: every position, up to the model's context)
             or "sink:SINKS,WINDOW[,CHUNK]": each request keeps generate's sink
-            window, of any length, sharing no prefix (:mod:`.scheduler`).
+            window, of any length (:mod:`.scheduler`).
     """
 
     def __init__(self, model: Any, decode: Callable[[list[int]], str], *, kv_memory_mib: float = 256,
@@ -90,7 +90,7 @@ class Engine:
                                           kv_dtype=kv_dtype, device=device)
         windows = check_window(model, cache, self.pool.dtype, self.pool.num_blocks * block_size, token_budget)
         self.window = windows[0] if windows else None  # what the scheduler evicts by (each layer's rope aside)
-        self.blocks = BlockManager(self.pool.num_blocks, block_size, reuse=self.window is None)
+        self.blocks = BlockManager(self.pool.num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_batch=max_batch, token_budget=token_budget, window=self.window)
         self.graph = compile_in_background(model, self.pool.dtype, compile_cache) if compile else None
         self.runner = Runner(model, self.pool, self.graph, windows)

@@ -50,6 +50,8 @@ from .tools import ToolSyntax, template_syntax
 if TYPE_CHECKING:
     from .embeddings import Embedder
 
+WINDOWED_MAX_TOKENS = 1 << 17  # with a sink window, the most tokens one answer may ask for (so it ends)
+
 
 @dataclass(frozen=True)
 class Parsed:
@@ -186,7 +188,11 @@ class Server:
         if model not in self.names:
             raise no_such_model(model, self.names)
         limit = integer(body, "max_completion_tokens", 1) or integer(body, "max_tokens", 1)
-        if self.engine.window is not None:  # a sink window: any length; by default, up to a context of new tokens
+        if self.engine.window is not None:  # a sink window: any prompt; by default, a context of new tokens
+            if limit is not None and limit > WINDOWED_MAX_TOKENS:
+                name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+                raise bad(name, f"{limit} new tokens: this server's sink window takes at most "
+                                f"{WINDOWED_MAX_TOKENS} per answer")
             return self._options(body, limit or self.context_length, logprobs)
         room = self.context_length - prompt_len
         if room < 1:

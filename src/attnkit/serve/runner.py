@@ -79,11 +79,18 @@ class Runner:
                                                             pool.v_scales))  # (B, V)
 
     def evict(self, shift: Shift) -> None:
-        """Carry out a sink window's eviction in every layer: the window positions after the ``shift.by`` oldest
-        move down by ``shift.by`` (keys re-rotated by ``-shift.by``, as ``KVCache`` with a SinkWindow does)."""
-        size, sinks = self.pool.block_size, self.windows[0].sinks
-        table = torch.tensor(shift.request.blocks, device=self.pool.device)  # (blocks,)
-        kept = torch.arange(sinks + shift.by, shift.held, device=self.pool.device)  # (n,) positions kept
+        """Carry out a sink window's eviction in every layer: copy the blocks the request made its own, then move
+        the window positions after the ``shift.by`` oldest down by ``shift.by`` (keys re-rotated by ``-shift.by``,
+        as ``KVCache`` with a SinkWindow does)."""
+        size, sinks, device = self.pool.block_size, self.windows[0].sinks, self.pool.device
+        if shift.copies:
+            offsets = torch.arange(size, device=device)  # (size,)
+            originals, copies = torch.tensor(shift.copies, device=device).T[:, :, None] * size + offsets  # (n, size)
+            for keys, values in zip(self.pool.k, self.pool.v, strict=True):
+                keys[copies.flatten()] = keys[originals.flatten()]  # (n * size, G, D)
+                values[copies.flatten()] = values[originals.flatten()]
+        table = torch.tensor(shift.request.blocks, device=device)  # (blocks,)
+        kept = torch.arange(sinks + shift.by, shift.held, device=device)  # (n,) positions kept
         source = table[kept // size] * size + kept % size  # (n,) slots
         moved = kept - shift.by
         target = table[moved // size] * size + moved % size  # (n,) slots

@@ -16,8 +16,11 @@ With a sink window (``Engine(cache="sink:4,1020")``) a request keeps its first
 tokens and a recent window as ``generate(cache=...)`` does: it is fed in
 ``generate``'s pieces, and a row that would pass the window first evicts the
 oldest window positions (a :class:`Shift`, which the runner carries out), so
-it holds at most the window's blocks, whatever its length. Evictions rewrite
-blocks: no prefix is shared.
+it holds at most the window's blocks, whatever its length. Until its first
+eviction a request shares cached prefixes as any other (``n`` answers prefill
+a prompt that fits the window once); at it, the blocks it shares are copied
+first and the others leave the prefix cache (evictions rewrite blocks in
+place, and what it writes afterwards is no prefix of its tokens).
 
 No tensors and no threads here: the engine calls it from its one thread.
 """
@@ -142,12 +145,14 @@ class Row:
 
 @dataclass(frozen=True)
 class Shift:
-    """A sink window's eviction, for the runner to carry out before the step's forwards: ``request``'s window
-    positions ``sinks + by .. held - 1`` move to ``sinks .. held - by - 1`` (keys re-rotated by ``-by``)."""
+    """A sink window's eviction, for the runner to carry out before the step's forwards: first each (original,
+    copy) block of ``copies`` is copied, then ``request``'s window positions ``sinks + by .. held - 1`` move to
+    ``sinks .. held - by - 1`` (keys re-rotated by ``-by``)."""
 
     request: Request
     held: int  # positions held before the eviction
     by: int
+    copies: tuple[tuple[int, int], ...] = ()  # at a request's first eviction: the blocks it made its own
 
 
 @dataclass(frozen=True)
@@ -166,8 +171,8 @@ class Scheduler:
         blocks: the KV blocks the running requests hold.
         max_batch: most requests running at once.
         token_budget: most prompt tokens prefilled per step.
-        window: None (every position kept), or a sink window every request keeps (``blocks`` must not reuse
-            prefixes, and ``token_budget`` must take a whole chunk).
+        window: None (every position kept), or a sink window every request keeps (``token_budget`` must take
+            a whole chunk).
     """
 
     def __init__(self, blocks: BlockManager, *, max_batch: int, token_budget: int,
@@ -180,16 +185,20 @@ class Scheduler:
     def schedule(self) -> Plan:
         """Admit what fits, then this step's decoding rows, prefill rows and evictions."""
         self._admit()
-        shifts = [self._evict(r, 1) for r in self.running if not r.prefilling]
+        shifts = [self._evict(r, 1) for r in list(self.running) if not r.prefilling]  # may preempt: a copy
         decoding = [Row(r, 1) for r in self._make_room([r for r in self.running if not r.prefilling])]
         prefill, budget = [], self.token_budget
-        for request in self.running:
+        for request in list(self.running):
             chunk = min(self._piece(request), budget) if request.prefilling else 0
-            if chunk > 0:
+            if chunk > 0 and request in self.running:
                 shifts.append(self._evict(request, chunk))
-                prefill.append(Row(request, chunk))
-                budget -= chunk
-        return Plan(decoding, prefill, [s for s in shifts if s is not None and s.request in self.running])
+                if request in self.running:
+                    prefill.append(Row(request, chunk))
+                    budget -= chunk
+        running = set(self.running)  # an eviction's copies may have preempted a request given a row already
+        return Plan([row for row in decoding if row.request in running],
+                    [row for row in prefill if row.request in running],
+                    [s for s in shifts if s is not None and s.request in running])
 
     def _piece(self, request: Request) -> int:
         """The most tokens of a prefilling request the next row may take: the rest of its tokens, or with a sink
@@ -204,11 +213,21 @@ class Scheduler:
         return piece if piece <= self.token_budget else 0
 
     def _evict(self, request: Request, length: int) -> Shift | None:
-        """With a sink window, the eviction a row of ``length`` tokens needs first (as ``KVCache`` evicts)."""
+        """With a sink window, the eviction a row of ``length`` tokens needs first (as ``KVCache`` evicts); at the
+        request's first, the blocks it shares are copied first (preempting the newest while the pool lacks blocks
+        for the copies: maybe the request itself, then None)."""
         by = 0 if self.window is None else self.window.evicted_before(request.held, length)
         if by == 0:
             return None
-        shift = Shift(request, request.held, by)
+        copies: list[tuple[int, int]] | None = []
+        while request.evicted == 0 and request in self.running:
+            copies = self.blocks.private(request.blocks)
+            if copies is not None:
+                break
+            self._preempt(max(self.running, key=lambda r: r.arrival))
+        if request not in self.running:
+            return None
+        shift = Shift(request, request.held, by, tuple(copies or ()))
         request.evicted += by
         return shift
 
@@ -222,11 +241,12 @@ class Scheduler:
                 "preemptions_total": self.preemptions}
 
     def written(self, rows: list[Row]) -> None:
-        """The rows' tokens are in the pool: their full blocks become reusable prefixes."""
+        """The rows' tokens are in the pool: their full blocks become reusable prefixes (not once evicted)."""
         for row in rows:
             request = row.request
             request.computed += row.length
-            self.blocks.written(request.blocks, request.computed, request.tokens)
+            if request.evicted == 0:
+                self.blocks.written(request.blocks, request.computed, request.tokens)
 
     def drop(self, request: Request) -> None:
         """Take a request out (finished or cancelled), freeing its blocks."""
