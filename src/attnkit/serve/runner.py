@@ -84,11 +84,12 @@ class Runner:
         as ``KVCache`` with a SinkWindow does)."""
         size, sinks, device = self.pool.block_size, self.windows[0].sinks, self.pool.device
         if shift.copies:
-            offsets = torch.arange(size, device=device)  # (size,)
-            originals, copies = torch.tensor(shift.copies, device=device).T[:, :, None] * size + offsets  # (n, size)
+            blocks = torch.tensor(shift.copies, device=device).T  # (n, 2) -> (2, n): originals, copies
+            slots = blocks[..., None] * size + torch.arange(size, device=device)  # (2, n, size)
+            originals, copies = slots.flatten(1)  # (n * size,) each
             for keys, values in zip(self.pool.k, self.pool.v, strict=True):
-                keys[copies.flatten()] = keys[originals.flatten()]  # (n * size, G, D)
-                values[copies.flatten()] = values[originals.flatten()]
+                keys[copies] = keys[originals]  # (n * size, G, D)
+                values[copies] = values[originals]
         table = torch.tensor(shift.request.blocks, device=device)  # (blocks,)
         kept = torch.arange(sinks + shift.by, shift.held, device=device)  # (n,) positions kept
         source = table[kept // size] * size + kept % size  # (n,) slots
