@@ -181,7 +181,7 @@ def layer_caches(ks: Sequence[Tensor], vs: Sequence[Tensor], batch: PagedBatch |
 
 def gather(storage: Tensor, slots: Tensor) -> Tensor:
     """``storage[slots]``: the rows (B, S, ...) at slots (B, S) of storage (N, ...), through ``index_select``,
-    which copies them 2-3x faster than indexing on a CPU (BENCHMARKS.md, round seventeen)."""
+    which copies them faster than indexing does on a CPU (BENCHMARKS.md, round seventeen)."""
     rows = storage.index_select(0, slots.flatten())  # (B * S, ...)
     return rows.view(*slots.shape, *storage.shape[1:])  # (B, S, ...)
 
