@@ -269,20 +269,24 @@ def test_stream_holds_back_incomplete_utf8(tiny32: Any) -> None:
     assert pieces == ["é", "€"]
 
 
-def test_stream_shows_undecodable_bytes_after_four_tokens_not_at_the_end() -> None:
-    """Bug: a run of continuation bytes (not one character: a UTF-8 character has at most 4 bytes) was held back
-    as long as it lasted, decoded again at every token, and shown only at the answer's end."""
+@pytest.mark.parametrize("text", [b"\x80" * 10 + b"a", b"\x80\x80\x80" + "\u00e9a".encode(),
+                                  b"x\x80\x80\x80" + "\u20aca".encode(), b"\x80" * 5 + "\U0001f600".encode()])
+def test_stream_shows_undecodable_bytes_by_the_fourth_token_and_every_character_after(text: bytes) -> None:
+    """Bug: a run of stray continuation bytes (no character: a UTF-8 character has at most 4 bytes) was held back
+    as long as it lasted, decoded again at every token and shown only at the end; a first bound then dropped a
+    character that began as the run's fourth token. Every piece joined is the decoded text, and the run shows
+    by its fourth token."""
     from attnkit.models.text import TextStream
 
     def decode(ids: list[int]) -> str:  # one token per byte
         return bytes(ids).decode("utf-8", errors="replace")
 
-    ids = [0x80] * 10 + [ord("a")]  # stray continuation bytes
-    text = TextStream(decode)
-    pieces = [text.add(t) for t in ids]
-    assert "".join([*pieces, text.flush()]) == decode(ids)
-    assert "".join(pieces[:5]).startswith("\ufffd")  # shown by the fifth token, not held to the end
-    assert [text.add(t) for t in "é".encode()] == ["", "é"]  # a real character is still held until complete
+    ids = list(text)
+    stream = TextStream(decode)
+    pieces = [stream.add(t) for t in ids]
+    assert "".join([*pieces, stream.flush()]) == decode(ids)  # no character lost, each whole
+    run = ids.index(0x80)
+    assert "\ufffd" in "".join(pieces[: run + 4])  # shown by the run's fourth token, not held to the end
 
 
 def test_stream_ends_at_a_stop_string_and_never_shows_it(tiny32: Any) -> None:

@@ -102,6 +102,25 @@ def test_the_graph_takes_every_decode_step_shape_a_one_token_prompt_included(
     assert status["state"] == "ready" and status["steps"] >= 3 * 3, status
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_graph_takes_every_step_of_requests_sliding_a_sink_window(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a sink window the evictions run between steps and positions are those in the window: the graph
+    (dynamo's guards, backend "eager") takes every decode step of requests past their window, with the eager
+    engine's tokens, and stays ready."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compile_(fn, **options, backend="eager"))
+    model = _model()
+    window = "sink:4,12,4"
+    engine = _engine(model, compile=True, compile_cache=CompileCache.for_model(model, torch.float32, tmp_path),
+                     cache=window)
+    assert engine.wait_compiled(timeout=300), engine.compile_status()
+    prompts = [[1, 2, 3], list(range(30))]
+    assert _tokens(engine, prompts, new=40) == _tokens(_engine(model, cache=window), prompts, new=40)
+    status = engine.compile_status()
+    assert status["state"] == "ready" and status["steps"] >= 39, status
+
+
 def test_a_compile_that_fails_leaves_the_eager_step_serving_and_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Bug to avoid: a failed background compile took the engine down, or left it waiting on a graph."""

@@ -44,15 +44,17 @@ def test_every_request_samples_what_generate_samples_with_the_same_window() -> N
 
 @settings(max_examples=12, deadline=None)
 @given(sinks=st.integers(1, 4), window=st.integers(2, 10), chunk=st.integers(1, 6), prompt_len=st.integers(1, 40),
-       new=st.integers(1, 40), budget_extra=st.integers(0, 8))
+       new=st.integers(1, 40), budget=st.integers(1, 10), requests=st.integers(1, 3))
 def test_any_window_and_budget_answer_as_generate(sinks: int, window: int, chunk: int, prompt_len: int, new: int,
-                                                  budget_extra: int) -> None:
-    """Any window, chunk, prompt length and prefill budget (at least a chunk): generate's tokens."""
+                                                  budget: int, requests: int) -> None:
+    """Any window, chunk, prompt length, prefill budget (below a chunk too: a piece cut by the budget evicts as
+    the whole piece) and number of answers to the prompt: each is generate's."""
     cache = f"sink:{sinks},{window},{chunk}"
     prompt = [(7 * i + 3) % 50 for i in range(prompt_len)]
-    engine = tiny_engine(MODEL, cache=cache, token_budget=chunk + budget_extra)
-    [(tokens, _)] = run_requests(engine, [prompt], [GenerationOptions(max_new_tokens=new, temperature=HOT, seed=5)])
-    assert tokens == alone(prompt, cache, new, 5)
+    engine = tiny_engine(MODEL, cache=cache, token_budget=budget)
+    options = [GenerationOptions(max_new_tokens=new, temperature=HOT, seed=5 + i) for i in range(requests)]
+    for i, (tokens, _) in enumerate(run_requests(engine, [prompt] * requests, options)):
+        assert tokens == alone(prompt, cache, new, 5 + i)
 
 
 @pytest.mark.parametrize("together", [True, False])
@@ -75,17 +77,20 @@ def test_answers_to_one_prompt_share_its_prefill_and_each_still_samples_as_gener
     assert metrics["kv_blocks_free"] == metrics["kv_blocks"]
 
 
-def test_a_request_holds_at_most_its_window_in_blocks_whatever_its_length() -> None:
-    engine = tiny_engine(MODEL, cache="sink:4,12,4", token_budget=8)  # 19 positions: 5 blocks of 4 with the next
+@pytest.mark.parametrize(("cache", "blocks"), [("sink:4,12,4", 5), ("sink:4,9,4", 4)])  # 19 and 16 positions
+@pytest.mark.parametrize("prompt_len", [3, 40])
+def test_a_request_holds_at_most_its_window_in_blocks_whatever_its_length(cache: str, blocks: int,
+                                                                          prompt_len: int) -> None:
+    engine = tiny_engine(MODEL, cache=cache, token_budget=8)  # blocks of 4 positions
     done: list[str] = []
-    engine.submit(list(range(1, 41)), GenerationOptions(max_new_tokens=200),
+    engine.submit(list(range(1, prompt_len + 1)), GenerationOptions(max_new_tokens=200),
                   lambda event: done.append(event.finish_reason or ""))
     most = 0
     while not engine.idle:
         engine.step()
         most = max(most, int(engine.metrics()["kv_blocks_used"]))
     assert done[-1] == "length" and len(done) == 200 + 1  # one event per token, then the end
-    assert most == 5
+    assert most == blocks
     assert engine.metrics()["kv_blocks_free"] == engine.metrics()["kv_blocks"]
 
 
@@ -99,20 +104,6 @@ def test_preempted_sink_requests_still_finish_and_free_their_blocks() -> None:
     assert all(reason == "length" and len(tokens) == 60 for tokens, reason in results)
     metrics = engine.metrics()
     assert metrics["preemptions_total"] > 0 and metrics["kv_blocks_free"] == 12
-
-
-@pytest.mark.parametrize(("options", "says"), [
-    ({"kv_dtype": "bfloat16"}, "which torch.bfloat16 storage would round again"),
-    ({"token_budget": 3}, "give token_budget >= 4"),
-    ({"cache": "sink:4,200"}, "beyond the model's context length 128"),
-    ({"cache": "sink:4,100,8", "kv_memory_mib": 0.02}, "more than the KV memory's"),
-    ({"cache": "sink:4"}, 'cache must be "full"'),
-])
-def test_a_window_the_engine_cannot_keep_is_refused_naming_why(options: dict[str, object], says: str) -> None:
-    model = tiny_model().float()  # float32: a narrower pool is allowed without a window
-    options = {"cache": "sink:4,12,4", **options}
-    with pytest.raises(ValueError, match=says):
-        tiny_engine(model, **options)
 
 
 def test_a_window_takes_prompts_and_answers_longer_than_the_context_or_the_pool() -> None:

@@ -17,16 +17,21 @@ eager step, and in graph mode (the server's default), where the model's code
 runs inside one compiled function (:mod:`attnkit.serve.graph`) and Python
 crosses only what schedules, feeds and samples the step. The graph-mode count
 compiles a 2-layer model of the same shapes (the files do not depend on the
-number of layers; the compile does), with Inductor's cache in a fresh folder.
+number of layers; the compile does), its compiled step kept in a scratch
+folder (Inductor's kernels too, unless ``TORCHINDUCTOR_CACHE_DIR`` names a
+folder already).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -79,7 +84,8 @@ def engine_step_files(model: Any, compiled: bool = False) -> list[str]:
     from attnkit.serve import Engine
     from attnkit.serve.compile_cache import CompileCache
 
-    with tempfile.TemporaryDirectory() as scratch:
+    kernels = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # the compile cache may point it into the scratch folder
+    with tempfile.TemporaryDirectory() as scratch, _restored("TORCHINDUCTOR_CACHE_DIR", kernels):
         cache = CompileCache.for_model(model, torch.float32, Path(scratch)) if compiled else None
         engine = Engine(model, lambda ids: "", kv_memory_mib=8, block_size=16, max_batch=2, compile=compiled,
                         compile_cache=cache)
@@ -104,6 +110,18 @@ def engine_step_files(model: Any, compiled: bool = False) -> list[str]:
         if compiled and engine.compile_status().get("steps", 0) < 2:
             raise RuntimeError(f"the counted step did not run compiled: {engine.compile_status()}")
     return list(files)
+
+
+@contextlib.contextmanager
+def _restored(name: str, value: str | None) -> Iterator[None]:
+    """Set the environment variable ``name`` back to ``value`` (None: unset) on the way out."""
+    try:
+        yield
+    finally:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,7 +58,7 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
                    help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
                    "first 4 tokens and a recent window of 1020 (StreamingLLM), in constant memory and with no "
                    "limit on the answer's length (--max-new-tokens; attnkit chat then recomputes the conversation "
-                   "each turn; attnkit serve keeps each request's window in its paged pool, max_tokens up to 131072)")
+                   "each turn; attnkit serve keeps each request's window in its paged pool)")
 
 
 def check_runtime_options(args: argparse.Namespace) -> None:

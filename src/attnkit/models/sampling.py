@@ -59,8 +59,7 @@ def uniform(seeds: Tensor, steps: Tensor) -> Tensor:
 
     An op of its own, so that ``torch.compile`` calls it rather than inlining it: each xorshift reads its
     input twice, and Inductor inlining the five nested hashes into one expression multiplies them into
-    thousands of terms, which take longer to compile than the rest of a decoding step (BENCHMARKS.md, round
-    seventeen); as an op it runs as some thirty small tensor operations per step.
+    thousands of terms, slow to compile (BENCHMARKS.md, round seventeen); as an op it runs eagerly.
     """
     return _hash_uniform(seeds, steps)
 

@@ -19,8 +19,9 @@ class IncrementalDecoder:
     The window starts at the tokens of the last piece returned, so a decoder
     that drops a leading space at the start of a text still sees what precedes
     the new tokens; text is held back while it ends in an incomplete
-    character, for at most :data:`MAX_HELD` tokens (longer, it is not one
-    character: undecodable bytes show as U+FFFD). Linear in the answer's length.
+    character, for fewer than :data:`MAX_HELD` tokens (a longer run is no one
+    character: its undecodable bytes show as U+FFFD, all but a last character's
+    start). Linear in the answer's length.
 
     ``context``: the ids before the first new one (the prompt's last), decoded
     only as the first window's start: a SentencePiece decoder drops the space
@@ -42,12 +43,25 @@ class IncrementalDecoder:
         return self._take(final=True)
 
     def _take(self, *, final: bool) -> str:
+        end = len(self.ids)
         before, after = self.decode(self.ids[self._start : self._shown]), self.decode(self.ids[self._start :])
-        incomplete = after.endswith("\ufffd") and len(self.ids) - self._shown < MAX_HELD and not final
-        if len(after) <= len(before) or incomplete:
+        if after.endswith("\ufffd") and not final:
+            if end - self._shown < MAX_HELD:
+                return ""  # maybe the first bytes of a character: wait for the rest
+            end -= self._lead_bytes()  # a run longer than a character: show it, but a last character's start
+            after = self.decode(self.ids[self._start : end])
+        if len(after) <= len(before):
             return ""
-        self._start, self._shown = self._shown, len(self.ids)
+        self._start, self._shown = self._shown, end
         return after[len(before) :]
+
+    def _lead_bytes(self) -> int:
+        """How many of the last ids (at most ``MAX_HELD - 1``) may be the start of one character still to come:
+        the longest such tail that decodes to a lone U+FFFD (0: none)."""
+        for n in range(MAX_HELD - 1, 0, -1):
+            if self.decode(self.ids[-n:]) == "\ufffd":
+                return n
+        return 0
 
 
 class TextStream:

@@ -38,7 +38,6 @@ from typing import Any
 from attnkit._optional import require
 
 EMBEDDING_MODEL = "minilm"  # served by attnkit.serve.embeddings
-TOKEN_BUDGET = 512  # prompt tokens prefilled per step (more with a sink window of longer chunks)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -210,7 +209,6 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
 
     from attnkit.models.loader import load_gguf
     from attnkit.models.runtime_options import describe_device, model_name, packaged_path, set_threads
-    from attnkit.models.sink_caches import SinkSpec
     from attnkit.modules.quantize import weight_form
 
     from .api import Server
@@ -239,10 +237,8 @@ def _load_and_serve(args: argparse.Namespace, sock: socket.socket, uvicorn: Any)
     name = (args.model or "smollm2") if args.gguf is None else str(path).rsplit("/", 1)[-1].removesuffix(".gguf")
     if not args.no_compile:
         _print_log(COMPILE_LOG)  # when the compiled step starts, is ready, or failed
-    window = SinkSpec.parse(args.cache)  # its chunks are prefilled whole: the budget takes one
     engine = Engine(model, model.decode, kv_memory_mib=args.kv_memory, block_size=args.block_size,
                     max_batch=args.max_batch, max_waiting=args.max_waiting,
-                    token_budget=max(TOKEN_BUDGET, window.chunk if window is not None else 0),
                     kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype, compile=not args.no_compile,
                     cache=args.cache)
     engine.start()

@@ -32,10 +32,10 @@ def check_request(model: Any, prompt: list[int], options: GenerationOptions, cap
     return stop_ids
 
 
-def check_window(model: Any, cache: object, pool_dtype: Any, capacity: int, token_budget: int) -> list[SinkWindow]:
+def check_window(model: Any, cache: object, pool_dtype: Any, capacity: int) -> list[SinkWindow]:
     """The sink window of each layer for ``Engine(cache=...)`` (none for "full"); a ValueError naming what does not
     fit: the pool's dtype (evictions re-rotate the keys kept, which 16-bit or int8 storage would round again),
-    the model's context, the pool's ``capacity`` positions, or a ``token_budget`` below one chunk."""
+    the model's context, or the pool's ``capacity`` positions."""
     spec = SinkSpec.parse(cache)
     if spec is None:
         return []
@@ -46,10 +46,7 @@ def check_window(model: Any, cache: object, pool_dtype: Any, capacity: int, toke
     if spec.capacity > model.context_length:
         raise ValueError(f"cache={cache!r} holds up to {spec.capacity} positions (sinks + window + chunk - 1), beyond "
                          f"the model's context length {model.context_length}: choose a smaller window")
-    if spec.capacity + 1 > capacity:
+    if spec.capacity > capacity:
         raise ValueError(f"cache={cache!r} holds up to {spec.capacity} positions per request, more than the KV "
                          f"memory's {capacity}: give more KV memory or a smaller window")
-    if token_budget < spec.chunk:
-        raise ValueError(f"cache={cache!r} feeds a long prompt {spec.chunk} tokens at a time, more than "
-                         f"token_budget={token_budget}: give token_budget >= {spec.chunk}")
     return spec.windows(model)

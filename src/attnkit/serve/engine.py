@@ -88,7 +88,7 @@ class Engine:
         self.model, self.decode, self.max_waiting = model, decode, max_waiting
         self.pool = PagedKVPool.for_model(model, kv_memory_mib=kv_memory_mib, block_size=block_size,
                                           kv_dtype=kv_dtype, device=device)
-        windows = check_window(model, cache, self.pool.dtype, self.pool.num_blocks * block_size, token_budget)
+        windows = check_window(model, cache, self.pool.dtype, self.pool.num_blocks * block_size)
         self.window = windows[0] if windows else None  # what the scheduler evicts by (each layer's rope aside)
         self.blocks = BlockManager(self.pool.num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_batch=max_batch, token_budget=token_budget, window=self.window)

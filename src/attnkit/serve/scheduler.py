@@ -171,8 +171,7 @@ class Scheduler:
         blocks: the KV blocks the running requests hold.
         max_batch: most requests running at once.
         token_budget: most prompt tokens prefilled per step.
-        window: None (every position kept), or a sink window every request keeps (``token_budget`` must take
-            a whole chunk).
+        window: None (every position kept), or a sink window every request keeps.
     """
 
     def __init__(self, blocks: BlockManager, *, max_batch: int, token_budget: int,
@@ -185,7 +184,10 @@ class Scheduler:
     def schedule(self) -> Plan:
         """Admit what fits, then this step's decoding rows, prefill rows and evictions."""
         self._admit()
-        shifts = [self._evict(r, 1) for r in list(self.running) if not r.prefilling]  # may preempt: a copy
+        shifts = []
+        for request in list(self.running):  # a copy: an eviction may preempt (when its copies need blocks)
+            if not request.prefilling and request in self.running:
+                shifts.append(self._evict(request, 1))
         decoding = [Row(r, 1) for r in self._make_room([r for r in self.running if not r.prefilling])]
         prefill, budget = [], self.token_budget
         for request in list(self.running):
@@ -202,15 +204,15 @@ class Scheduler:
 
     def _piece(self, request: Request) -> int:
         """The most tokens of a prefilling request the next row may take: the rest of its tokens, or with a sink
-        window the rest of the piece ``generate`` would feed (0: wait for a budget that takes it whole)."""
+        window the rest of the piece ``generate`` would feed (a piece cut by the budget evicts as the whole piece:
+        all at its first row)."""
         left = len(request.tokens) - request.computed
         if self.window is None:
             return left
         first = min(len(request.tokens), self.window.capacity)  # nothing is evicted inside the first piece
         if request.computed < first:
             return first - request.computed
-        piece = min(self.window.chunk - (request.computed - first) % self.window.chunk, left)
-        return piece if piece <= self.token_budget else 0
+        return min(self.window.chunk - (request.computed - first) % self.window.chunk, left)
 
     def _evict(self, request: Request, length: int) -> Shift | None:
         """With a sink window, the eviction a row of ``length`` tokens needs first (as ``KVCache`` evicts); at the
@@ -260,8 +262,8 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
-            # a sink window holds at most its capacity: blocks for the first piece, then reused
-            held = request.tokens if self.window is None else request.tokens[: self.window.capacity]
+            # a sink window holds at most its capacity: blocks for that many positions at most, then reused
+            held = request.tokens if self.window is None else request.tokens[: self.window.capacity - 1]
             allocation = self.blocks.allocate(held, reserve=1)
             if allocation is None:
                 break
