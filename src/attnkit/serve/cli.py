@@ -14,10 +14,10 @@
 
 --threads, --device, --kv-dtype, --compile and --cache are generate's and chat's options, with their help texts
 and checks (:func:`~attnkit.models.runtime_options.add_runtime_options`): ``--kv-dtype int8`` stores generate's
-int8 codes and scales in the paged pool, and ``--cache sink:4,1020`` gives every request generate's window (the
-pool's blocks rewritten as it slides, so no prefix is shared). ``--device cuda`` loads the model on the GPU as
-generate does (plain float32 weights) and the engine keeps its paged KV pool and runs every step there; a device
-this machine lacks is refused before the load, as by generate. The decode step is compiled by default
+int8 codes and scales in the paged pool, and ``--cache sink:4,1020`` gives every request generate's window (its
+blocks rewritten in the pool as it slides: :mod:`attnkit.serve.scheduler`). ``--device cuda`` loads the model
+on the GPU as generate does (plain float32 weights) and the engine keeps its paged KV pool and runs every step
+there; a device this machine lacks is refused before the load, as by generate. The decode step is compiled by default
 (:mod:`attnkit.serve.graph`): the server answers at once with the eager step and switches when the compiled one
 is ready (the log and ``/health`` say when); ``--no-compile`` keeps the eager step.
 
