@@ -2,11 +2,13 @@
 
     OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python docs/bench/round17-hash/hash.py inline
     OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python docs/bench/round17-hash/hash.py op
+    OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python docs/bench/round17-hash/hash.py inline8
 
 One process per form, each with an empty Inductor cache: the sampler (temperature 0.8, top-k 50, V = 49,152,
 B = 3) compiled with fullgraph, its first call's seconds (the compile, the process's first), then
 microseconds per call (300 calls, a warm-up of 20, median of 3 runs). "inline" is the hash as plain tensor
-code (what attnkit.models.sampling.uniform was before it became an op); "op" is attnkit's. The eager hash
+code (what attnkit.models.sampling.uniform was before it became an op); "op" is attnkit's; "inline8" the plain
+code with Inductor's ``realize_opcount_threshold`` at 8 (which bounds the inlining's fan-out). The eager hash
 alone is timed too. Printed as one JSON line.
 """
 
@@ -38,8 +40,10 @@ def per_call_us(fn, *args) -> float:
 def main() -> None:
     form = sys.argv[1]
     torch.set_num_threads(1)
-    if form == "inline":
+    if form in ("inline", "inline8"):
         sampling.uniform = sampling._hash_uniform  # the plain tensor code, as before the op
+    if form == "inline8":
+        torch._inductor.config.realize_opcount_threshold = 8
     sampler = Sampler(temperature=0.8, top_k=50)
     compiled = torch.compile(lambda logits, seeds, steps: sampler(logits, seeds, steps), fullgraph=True)
     logits, seeds, steps = torch.randn(3, 49152), torch.arange(3), torch.full((3,), 5)
