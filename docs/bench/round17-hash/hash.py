@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from attnkit.models import sampling
 from attnkit.models.sampling import Sampler
 
 
-def per_call_us(fn, *args) -> float:
+def per_call_us(fn: Any, *args: Any) -> float:
     for _ in range(20):
         fn(*args)
     runs = []
@@ -50,9 +51,12 @@ def main() -> None:
     start = time.perf_counter()
     compiled(logits, seeds, steps)
     first = time.perf_counter() - start
-    print(json.dumps({"form": form, "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                      "first_call_s": round(first, 1), "compiled_call_us": round(per_call_us(compiled, logits, seeds, steps), 1),
-                      "eager_hash_us": round(per_call_us(sampling._hash_uniform, seeds, steps), 1)}))
+    call = per_call_us(compiled, logits, seeds, steps)
+    eager = per_call_us(sampling._hash_uniform, seeds, steps)
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(json.dumps({"form": form, "torch": torch.__version__, "cpu_capability": capability,
+                      "first_call_s": round(first, 1), "compiled_call_us": round(call, 1),
+                      "eager_hash_us": round(eager, 1)}))
 
 
 if __name__ == "__main__":
