@@ -5,7 +5,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit.serve.blocks import BlockManager
+from attnkit.serve.blocks import Allocation, BlockManager
+
+
+def written(m: BlockManager, tokens: list[int]) -> Allocation:
+    """A new sequence of ``tokens``, allocated and all written (its full blocks cached)."""
+    allocation = m.allocate(tokens)
+    assert allocation is not None
+    m.written(allocation.blocks, len(tokens), tokens)
+    return allocation
 
 
 def test_a_common_prefix_of_full_blocks_is_shared_once_written() -> None:
@@ -34,9 +42,7 @@ def test_a_fully_cached_prompt_recomputes_its_last_block() -> None:
     """Nothing left to prefill would leave no logits to sample from."""
     m = BlockManager(10, 4)
     tokens = list(range(8))
-    first = m.allocate(tokens)
-    assert first is not None
-    m.written(first.blocks, 8, tokens)
+    first = written(m, tokens)
     again = m.allocate(tokens)
     assert again is not None and again.cached_tokens == 4 and again.blocks[0] == first.blocks[0]
     assert again.blocks[1] != first.blocks[1]
@@ -98,9 +104,7 @@ def test_a_sequence_about_to_rewrite_its_blocks_copies_the_shared_and_keeps_the_
     copied while free blocks remain (the original stays a reusable prefix), else it leaves the cache."""
     m = BlockManager(6, 4)
     tokens = list(range(9))
-    a = m.allocate(tokens)
-    assert a is not None
-    m.written(a.blocks, 9, tokens)
+    a = written(m, tokens)
     b = m.allocate(tokens)
     assert b is not None and b.blocks[:2] == a.blocks[:2]  # 2 shared full blocks; 4 of 6 blocks held
     originals = list(b.blocks)
@@ -116,9 +120,7 @@ def test_a_sequence_about_to_rewrite_its_blocks_copies_the_shared_and_keeps_the_
 def test_no_blocks_for_the_shared_copies_changes_nothing() -> None:
     m = BlockManager(5, 4)
     tokens = list(range(9))
-    a = m.allocate(tokens)
-    assert a is not None
-    m.written(a.blocks, 9, tokens)
+    written(m, tokens)
     b = m.allocate(tokens, reserve=4)  # 2 shared + 2 new blocks: the pool is full
     assert b is not None and m.free_blocks == 0
     held = list(b.blocks)

@@ -293,10 +293,7 @@ def check_budget(model: CausalLM, prompt_len: int, options: GenerationOptions) -
     the model's context (or its sink window does not), or a stop id or ``logit_bias`` token is not a token id;
     the stop ids (the model's own when ``options.stop_ids`` is None)."""
     if options.sink is not None:
-        if options.sink.capacity > model.context_length:
-            raise ValueError(f"cache={options.cache!r} holds up to {options.sink.capacity} positions (sinks + window + "
-                             f"chunk - 1), beyond the model's context length {model.context_length}: choose a "
-                             "smaller window")
+        options.sink.check_fits(model.context_length, options.cache)
     else:
         check_fit(prompt_len, options.max_new_tokens, model.context_length, "the model's context length")
     return check_stops(model, options)

@@ -59,9 +59,18 @@ class SinkSpec:
 
     def pieces(self, length: int) -> list[int]:
         """The sizes a prompt of ``length`` tokens is fed in: as much as fits the bound, then a chunk at a time."""
-        first = min(length, self.capacity)
-        rest = length - first
-        return [first] + [self.chunk] * (rest // self.chunk) + ([rest % self.chunk] if rest % self.chunk else [])
+        window = SinkWindow(sinks=self.sinks, window=self.window, chunk=self.chunk, rope=None)
+        sizes = [min(length, self.capacity)]
+        while sum(sizes) < length:
+            sizes.append(window.piece(length, sum(sizes)))
+        return sizes
+
+    def check_fits(self, context_length: int, cache: object) -> None:
+        """Raise a ValueError naming ``cache`` (as the user gave it) if the window holds more positions than the
+        model's ``context_length``."""
+        if self.capacity > context_length:
+            raise ValueError(f"cache={cache!r} holds up to {self.capacity} positions (sinks + window + chunk - 1), "
+                             f"beyond the model's context length {context_length}: choose a smaller window")
 
 
 def sink_caches(model: object, *, sinks: int = 4, window: int = 1020, chunk: int = 64) -> list[Cache]:

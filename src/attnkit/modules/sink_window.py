@@ -96,6 +96,14 @@ class SinkWindow:
         rope = "" if self.rope is not None else ", rope=None"
         return f"SinkWindow(sinks={self.sinks}, window={self.window}, chunk={self.chunk}{rope})"
 
+    def piece(self, length: int, done: int) -> int:
+        """How many tokens the piece starting at token ``done`` of a prompt of ``length`` holds, fed as generation
+        feeds a long prompt: as much as fits :attr:`capacity` (no eviction inside it), then a chunk at a time."""
+        first = min(length, self.capacity)
+        if done < first:
+            return first - done
+        return min(self.chunk - (done - first) % self.chunk, length - done)
+
     def evicted_before(self, held: int, length: int) -> int:
         """How many window keys a call of ``length`` tokens evicts first from a cache of ``held`` (0 while there
         is room).

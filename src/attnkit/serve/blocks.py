@@ -76,11 +76,16 @@ class BlockManager:
     def _take(self) -> int:
         """A free block for new content: the least recently used, its old hash forgotten."""
         block, _ = self.pool.popitem(last=False)
+        self._forget(block)
+        self.refs[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        """The prefix ``block`` held leaves the cache (its hash, and its entry if it is the hash's block)."""
         old = self.hashes[block]
         if old is not None and self.by_hash.get(old) == block:
             del self.by_hash[old]
-        self.hashes[block], self.ready[block], self.refs[block] = None, False, 1
-        return block
+        self.hashes[block], self.ready[block] = None, False
 
     def _share(self, block: int) -> None:
         if self.refs[block] == 0:
@@ -169,10 +174,7 @@ class BlockManager:
         for i, (_, copy) in zip(moved, copies, strict=True):
             blocks[i] = copy
         for block in blocks:  # what stays leaves the cache
-            old = self.hashes[block]
-            if old is not None and self.by_hash.get(old) == block:
-                del self.by_hash[old]
-            self.hashes[block], self.ready[block] = None, False
+            self._forget(block)
         self.release([original for original, _ in copies])  # held by the others, or cached and free
         return copies
 
@@ -181,8 +183,6 @@ class BlockManager:
         for block in reversed(blocks):  # the tail first: a prefix stays cached longer than what follows it
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                if not self.ready[block] and self.hashes[block] is not None:  # never written: not reusable
-                    if self.by_hash.get(self.hashes[block]) == block:  # type: ignore[arg-type]
-                        del self.by_hash[self.hashes[block]]  # type: ignore[arg-type]
-                    self.hashes[block] = None
+                if not self.ready[block]:  # never written: not reusable
+                    self._forget(block)
                 self.pool[block] = None

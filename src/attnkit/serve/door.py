@@ -43,9 +43,7 @@ def check_window(model: Any, cache: object, pool_dtype: Any, capacity: int) -> l
     if pool_dtype != dtype:
         raise ValueError(f"cache={cache!r} re-rotates the keys it keeps at every eviction, which {pool_dtype} storage "
                          f"would round again each time: serve it with kv_dtype=None (the model's {dtype})")
-    if spec.capacity > model.context_length:
-        raise ValueError(f"cache={cache!r} holds up to {spec.capacity} positions (sinks + window + chunk - 1), beyond "
-                         f"the model's context length {model.context_length}: choose a smaller window")
+    spec.check_fits(model.context_length, cache)
     if spec.capacity > capacity:
         raise ValueError(f"cache={cache!r} holds up to {spec.capacity} positions per request, more than the KV "
                          f"memory's {capacity}: give more KV memory or a smaller window")

@@ -90,6 +90,7 @@ class Engine:
                                           kv_dtype=kv_dtype, device=device)
         windows = check_window(model, cache, self.pool.dtype, self.pool.num_blocks * block_size)
         self.window = windows[0] if windows else None  # what the scheduler evicts by (each layer's rope aside)
+        self.context = model.context_length if self.window is None else inf  # where an answer must end
         self.blocks = BlockManager(self.pool.num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_batch=max_batch, token_budget=token_budget, window=self.window)
         self.graph = compile_in_background(model, self.pool.dtype, compile_cache) if compile else None
@@ -222,7 +223,7 @@ class Engine:
     def _accept(self, request: Request, choice: Choice) -> None:
         self.stats["generated_tokens_total"] += 1
         try:
-            piece, reason = request.take(choice.token, self.model.context_length if self.window is None else inf)
+            piece, reason = request.take(choice.token, self.context)
         except ConstraintError as err:  # a grammar that broke down ends its request alone
             self._finish(request, "error", [choice.token], error=f"constrained decoding failed: {err}")
             return

@@ -63,13 +63,16 @@ class PagedBatch:
         table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
         s = max(*lengths, 2)  # S >= 2: the compiled step's graph is traced with S dynamic, which excludes S = 1
         pos = torch.arange(s, device=device)  # (S,)
-        read = table[:, pos // block_size] * block_size + pos % block_size  # (B, S)
+        read = slots(table, pos.expand(len(tables), s), block_size)  # (B, S)
         valid = pos[None, :] < torch.tensor(list(lengths), device=device)[:, None]  # (B, S)
-        rows = torch.arange(len(tables), device=device)[:, None]  # (B, 1)
-        clamped = positions.clamp(min=0)
-        write = table[rows, clamped // block_size] * block_size + clamped % block_size  # (B, T)
+        write = slots(table, positions.clamp(min=0), block_size)  # (B, T)
         return cls(write.masked_fill(positions < 0, spare), read.masked_fill(~valid, spare),
                    torch.where(valid, pos, -1))
+
+
+def slots(table: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    """The pool slot of each of a sequence's ``positions`` (..., P) through its block ``table`` (..., W)."""
+    return table.gather(-1, positions // block_size) * block_size + positions % block_size  # (..., P)
 
 
 def pool_dtype(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None) -> torch.dtype:

@@ -188,10 +188,10 @@ class Server:
         if model not in self.names:
             raise no_such_model(model, self.names)
         limit = integer(body, "max_completion_tokens", 1) or integer(body, "max_tokens", 1)
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         if self.engine.window is not None:  # a sink window: any prompt; by default, a context of new tokens
             if limit is not None and limit > WINDOWED_MAX_TOKENS:
-                name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-                raise bad(name, f"{limit} new tokens: this server's sink window takes at most "
+                raise bad(field, f"{limit} new tokens: this server's sink window takes at most "
                                 f"{WINDOWED_MAX_TOKENS} per answer")
             return self._options(body, limit or self.context_length, logprobs)
         room = self.context_length - prompt_len
@@ -203,8 +203,7 @@ class Server:
             raise too_long(source, f"the prompt has {prompt_len} tokens, more than this server's KV memory "
                                     f"holds ({self.engine.capacity} positions)")
         if limit is not None and limit > room:
-            name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-            raise bad(name, f"{limit} new tokens do not fit: the prompt has {prompt_len} tokens, the context "
+            raise bad(field, f"{limit} new tokens do not fit: the prompt has {prompt_len} tokens, the context "
                              f"window is {self.context_length} and the KV memory {self.engine.capacity} positions; "
                              f"ask for at most {room}")
         return self._options(body, min(limit or room, room), logprobs)

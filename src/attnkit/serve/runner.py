@@ -30,7 +30,7 @@ from torch import Tensor
 from attnkit.modules.sink_window import SinkWindow
 
 from .graph import CompiledDecode
-from .paged import PagedBatch, PagedKVPool, layer_caches
+from .paged import PagedBatch, PagedKVPool, layer_caches, slots
 from .scheduler import Choice, Request, Row, Shift
 
 
@@ -85,16 +85,14 @@ class Runner:
         size, sinks, device = self.pool.block_size, self.windows[0].sinks, self.pool.device
         if shift.copies:
             blocks = torch.tensor(shift.copies, device=device).T  # (n, 2) -> (2, n): originals, copies
-            slots = blocks[..., None] * size + torch.arange(size, device=device)  # (2, n, size)
-            originals, copies = slots.flatten(1)  # (n * size,) each
+            whole = blocks[..., None] * size + torch.arange(size, device=device)  # (2, n, size): every slot
+            originals, copies = whole.flatten(1)  # (n * size,) each
             for keys, values in zip(self.pool.k, self.pool.v, strict=True):
                 keys[copies] = keys[originals]  # (n * size, G, D)
                 values[copies] = values[originals]
         table = torch.tensor(shift.request.blocks, device=device)  # (blocks,)
         kept = torch.arange(sinks + shift.by, shift.held, device=device)  # (n,) positions kept
-        source = table[kept // size] * size + kept % size  # (n,) slots
-        moved = kept - shift.by
-        target = table[moved // size] * size + moved % size  # (n,) slots
+        source, target = slots(table, kept, size), slots(table, kept - shift.by, size)  # (n,) each
         for keys, values, window in zip(self.pool.k, self.pool.v, self.windows, strict=True):
             rotated = window.shifted(keys[source].transpose(0, 1)[None], shift.by)  # (n, G, D) -> (1, G, n, D)
             keys[target] = rotated[0].transpose(0, 1)  # (1, G, n, D) -> (n, G, D)

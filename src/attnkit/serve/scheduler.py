@@ -206,13 +206,9 @@ class Scheduler:
         """The most tokens of a prefilling request the next row may take: the rest of its tokens, or with a sink
         window the rest of the piece ``generate`` would feed (a piece cut by the budget evicts as the whole piece:
         all at its first row)."""
-        left = len(request.tokens) - request.computed
         if self.window is None:
-            return left
-        first = min(len(request.tokens), self.window.capacity)  # nothing is evicted inside the first piece
-        if request.computed < first:
-            return first - request.computed
-        return min(self.window.chunk - (request.computed - first) % self.window.chunk, left)
+            return len(request.tokens) - request.computed
+        return self.window.piece(len(request.tokens), request.computed)
 
     def _evict(self, request: Request, length: int) -> Shift | None:
         """With a sink window, the eviction a row of ``length`` tokens needs first (as ``KVCache`` evicts); at the
