@@ -3,7 +3,7 @@
     attnkit explain [TEXT ...]   multi-head attention step by step (--model minilm / smollm2 / gemma3)
     attnkit bench [--quick]      speed and memory beside the alternatives (--suite generate / ring)
     attnkit generate PROMPT      SmolLM2 on attnkit layers, streamed (attnkit.models.cli)
-    attnkit chat                 a conversation with SmolLM2 (attnkit.models.cli)
+    attnkit chat                 a conversation with SmolLM2 (attnkit.serve.chat_cli)
     attnkit models [--dir DIR]   the packaged models and the GGUF files found (attnkit.models.catalog)
     attnkit serve                an OpenAI-compatible server with a chat page (attnkit.serve.cli)
     attnkit train induction      watch an induction head form (attnkit.train.cli)
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from attnkit._optional import MissingDependencyError, require
 from attnkit._outputs import check_output_dir, check_output_file
 from attnkit.models import cli as models_cli
+from attnkit.serve import chat_cli
 from attnkit.serve import cli as serve_cli
 from attnkit.train import cli as train_cli
 
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     _models_parser(sub)
     # Subcommands of other floors: each module's add_parser(sub) adds its own (imports kept light).
     models_cli.add_parser(sub)
+    chat_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     train_cli.add_parser(sub)
     return parser

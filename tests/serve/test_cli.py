@@ -156,7 +156,7 @@ def test_the_shared_options_have_one_help_text_and_one_set_of_choices(capsys: py
     assert helps["generate"] == helps["chat"] == helps["serve"]
     assert "{float32,bfloat16,float16,int8}" in helps["serve"]["--kv-dtype"]
     assert "OMP_NUM_THREADS=1" in helps["serve"]["--threads"] and "3.2x" in helps["serve"]["--threads"]
-    assert "attnkit serve stores int8 in its paged pool too" in helps["serve"]["--kv-dtype"]
+    assert "chat and serve store the same codes and scales in the engine's paged pool" in helps["serve"]["--kv-dtype"]
 
 
 @pytest.mark.parametrize(("option", "says"), [

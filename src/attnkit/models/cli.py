@@ -1,27 +1,23 @@
-"""``attnkit generate`` and ``attnkit chat``: a real decoder (SmolLM2-135M-Instruct, Gemma 3 270M) in the terminal.
+"""``attnkit generate``: a real decoder (SmolLM2-135M-Instruct, Gemma 3 270M) continuing a prompt in the terminal.
 
     attnkit generate "Once upon a time"
     attnkit generate --chat "What is the capital of France?"
     attnkit generate --model gemma3 "The capital of France is"   # a base model: it continues text, no --chat
     attnkit generate --cache sink:4,1020 --max-new-tokens 20000 "Once upon a time"   # constant memory
-    attnkit chat                     # /help lists the commands; Ctrl-C stops an answer; Ctrl-D ends
-    attnkit chat --threads 2 --device cuda   # options shared with serve (add_runtime_options)
+    attnkit generate --threads 2 --device cuda "Hello"   # options shared with chat and serve
 
-Text streams to stdout; loading progress, speed (tokens/s) and notes go to stderr. A chat keeps its KV caches
-between turns: a turn prefills only its new tokens, and its speed line says so ("prefilled 23 new tokens (137
-cached)"), or why the whole conversation was recomputed (its oldest turns dropped, a template that re-renders
-earlier turns, --compile's static caches, a sink cache).
+Text streams to stdout; loading progress, speed (tokens/s) and notes go to stderr.
 
-Here: the two parsers and generate. The chat loop is :mod:`attnkit.models.chat_cli`; loading and streaming, which
-both commands use, :mod:`attnkit.models.terminal`; the options shared with serve,
-:mod:`attnkit.models.runtime_options`. Imports stay light: torch and the model load only when a command runs.
+Here: generate's parser and the options it shares with ``attnkit chat`` (:mod:`attnkit.serve.chat_cli`, a
+conversation over the serving engine); loading and streaming, :mod:`attnkit.models.terminal`; the options
+shared with serve, :mod:`attnkit.models.runtime_options`. Imports stay light: torch and the model load only
+when a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from attnkit.models.chat_cli import COMMANDS, run_chat
 from attnkit.models.runtime_options import MODELS, add_runtime_options, set_threads
 from attnkit.models.terminal import (
     chat_ids,
@@ -35,7 +31,8 @@ from attnkit.models.terminal import (
 )
 
 
-def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+def add_generation_options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+    """The options ``generate`` and ``chat`` share: sampling, the model and its form, the runtime's."""
     from attnkit.modules.quantize import WEIGHT_FORMS
 
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
@@ -66,7 +63,7 @@ def _options(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add the ``generate`` and ``chat`` subcommands."""
+    """Add the ``generate`` subcommand (``chat``'s is :func:`attnkit.serve.chat_cli.add_parser`)."""
     p = sub.add_parser("generate", help="continue a prompt with a real language model (SmolLM2-135M, Gemma 3)",
                        description="Stream the continuation of PROMPT from SmolLM2-135M-Instruct (or --model "
                        "gemma3: Gemma 3 270M), running on attnkit's attention with a KV cache. Speed is reported "
@@ -74,17 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", nargs="+", help="the text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template "
                    "(a user turn) and answer it (not with --model gemma3: a base model has no chat template)")
-    _options(p, max_new_tokens=128)
+    add_generation_options(p, max_new_tokens=128)
     p.set_defaults(func=_generate)
-    commands = "; ".join(f"{name} {what}" for name, what in COMMANDS.items())
-    c = sub.add_parser("chat", help="talk with a real language model (SmolLM2-135M-Instruct)",
-                       description="An interactive chat that keeps the conversation, with line editing and "
-                       f"history at a terminal. Commands: {commands}. Ctrl-C during an answer stops that answer "
-                       "(what was written stays in the conversation). When the conversation outgrows the "
-                       "model's context, its oldest turns are dropped (the system message stays).")
-    c.add_argument("--system", help="a system message to start the conversation with")
-    _options(c, max_new_tokens=256)
-    c.set_defaults(func=run_chat)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -42,23 +42,25 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
                    "attnkit serve keeps its paged KV pool there too")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
                    help="the dtype the KV cache stores keys and values in (default float32): under float32 compute, "
-                   "bfloat16 or float16 halve its memory, so twice the positions fit (generate and chat: the "
-                   "context, with --cache full; serve: --kv-memory); int8 (also under bfloat16 compute) quarters it: "
-                   "generate and chat (not with --compile) decode it with an int8 kernel, faster at long contexts, "
-                   "slower at short ones and on sliding-window layers, keeping fewer of float32's greedy choices "
-                   "(BENCHMARKS.md); attnkit serve stores int8 in its paged pool too (the same codes and scales, "
-                   "read back dequantised)")
+                   "bfloat16 or float16 halve its memory, so twice the positions fit (generate: the context, with "
+                   "--cache full; chat: the context, in at most 512 MiB; serve: --kv-memory); int8 (also under "
+                   "bfloat16 compute) quarters it: "
+                   "generate (not with --compile) decodes it with an int8 kernel, faster at long contexts, slower at "
+                   "short ones and on sliding-window layers, keeping fewer of float32's greedy choices "
+                   "(BENCHMARKS.md); attnkit chat and serve store the same codes and scales in the engine's paged "
+                   "pool, read back dequantised")
     p.add_argument("--compile", action="store_true", help="run each decoding step as one compiled graph "
                    "(torch.compile over static caches): faster decoding, after compiling for a minute or more "
                    "once per process, at the first answer (counted in the reported speed; BENCHMARKS.md). "
-                   "attnkit chat then recomputes the whole conversation each turn (static caches cannot continue). "
-                   "attnkit serve compiles its paged decode step by default, in the background while the eager "
-                   "step answers (--no-compile turns it off)")
+                   "attnkit chat and attnkit serve compile the serving engine's paged decode step instead, in the "
+                   "background while the eager step answers, kept on disk for the next start (serve does so by "
+                   "default; --no-compile turns it off)")
     p.add_argument("--cache", default="full", metavar="full|sink:SINKS,WINDOW[,CHUNK]",
                    help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
                    "first 4 tokens and a recent window of 1020 (StreamingLLM), in constant memory and with no "
-                   "limit on the answer's length (--max-new-tokens; attnkit chat then recomputes the conversation "
-                   "each turn; attnkit serve keeps each request's window in its paged pool)")
+                   "limit on the answer's length (--max-new-tokens; attnkit chat and serve keep each request's window "
+                   "in the engine's paged pool, and a chat's next turn finds only the blocks written before the "
+                   "first eviction)")
 
 
 def check_runtime_options(args: argparse.Namespace) -> None:

@@ -26,13 +26,14 @@ from attnkit.models.runtime_options import (
 
 if TYPE_CHECKING:
     from attnkit.models.decoder import DecoderModel
-    from attnkit.models.generation import KeptCaches
     from attnkit.models.generation_options import GenerationStats
     from attnkit.models.tokenizer import GGUFTokenizer
 
 
-def check_options(args: argparse.Namespace, *, chat: bool) -> None:
-    """Reject bad options before the (slow) model load; ``chat``: the prompt goes through a chat template."""
+def check_options(args: argparse.Namespace, *, chat: bool, static: bool = True) -> None:
+    """Reject bad options before the (slow) model load; ``chat``: the prompt goes through a chat template;
+    ``static``: --compile runs generate's step over static caches (``attnkit chat``'s engine compiles its paged
+    step, which takes a sink window and an int8 cache)."""
     from attnkit.models.sampling import Penalties, Sampler
     from attnkit.models.sink_caches import SinkSpec
 
@@ -57,10 +58,10 @@ def check_options(args: argparse.Namespace, *, chat: bool) -> None:
         raise ValueError(f"{', '.join(shaping)} shape sampling, and --temperature 0 (the default) is greedy: add "
                          "--temperature > 0 (e.g. 0.7), or drop them")
     sink = SinkSpec.parse(args.cache)
-    if args.compile and sink is not None:
+    if static and args.compile and sink is not None:
         raise ValueError(f"--compile runs over static caches and --cache {args.cache} evicts (its shapes change): "
                          "use one or the other")
-    if args.compile and args.kv_dtype == "int8":
+    if static and args.compile and args.kv_dtype == "int8":
         raise ValueError("--compile runs over static caches and --kv-dtype int8 is a growing cache: use one or the "
                          "other")
     narrow = args.kv_dtype in ("bfloat16", "float16")  # int8 takes a float32 or a bfloat16 model's keys
@@ -148,12 +149,10 @@ def chat_ids(tokenizer: GGUFTokenizer, messages: Sequence[Mapping[str, str]]) ->
                          f"{type(err).__name__}{where}: {err}") from err
 
 
-def report_speed(console: Any, stats: GenerationStats, *, cached: int = 0, why: str | None = None) -> None:
-    """The speed line; ``cached``: the positions the prompt continued from, ``why``: why it was recomputed."""
+def report_speed(console: Any, stats: GenerationStats, *, cached: int = 0) -> None:
+    """The speed line; ``cached``: the prompt's tokens found cached (not prefilled)."""
     if cached:
         prompt = f"prefilled {stats.prompt_tokens} new tokens ({cached} cached)"
-    elif why is not None:
-        prompt = f"recomputed {stats.prompt_tokens} tokens ({why})"
     else:
         prompt = f"{stats.prompt_tokens} tokens"
     note(console, f"prompt: {prompt} in {stats.prefill_seconds:.2f} s ({stats.prefill_tokens_per_s:.1f} tokens/s) "
@@ -167,17 +166,15 @@ class Answer:
     text: str  # what was written to stdout
     stats: GenerationStats
     ending: str  # "stop" (the model ended it), "max-new-tokens", "context" (window full) or "interrupted"
+    cached: int = 0  # the prompt's tokens found cached (a chat's earlier turns), not prefilled again
 
 
 _COMPILING_SAID: weakref.WeakSet[DecoderModel] = weakref.WeakSet()  # models whose compiling was announced
 
 
-def stream_answer(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace,
-                  kept: KeptCaches | None = None) -> Answer:
-    """Stream the answer to the prompt ``ids`` to stdout; Ctrl-C stops it (``ending="interrupted"``).
-
-    ``kept``: the conversation's caches, which ``ids`` continues (its new tokens alone are prefilled).
-    """
+def stream_answer(model: DecoderModel, ids: Sequence[int], args: argparse.Namespace) -> Answer:
+    """Stream ``attnkit generate``'s answer to the prompt ``ids`` to stdout; Ctrl-C stops it
+    (``ending="interrupted"``)."""
     from contextlib import closing
 
     import torch
@@ -205,8 +202,8 @@ def stream_answer(model: DecoderModel, ids: Sequence[int], args: argparse.Namesp
                                repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                                presence_penalty=args.presence_penalty,
                                kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype,
-                               compile=args.compile, stats=stats, kept=kept)
-        with closing(steps):  # closed at once, also on Ctrl-C: the kept caches then note what they hold
+                               compile=args.compile, stats=stats)
+        with closing(steps):  # closed at once, also on Ctrl-C
             for token in steps:  # (1,)
                 last = int(token[0])
                 pieces.append(write_stdout(text.add(last)))

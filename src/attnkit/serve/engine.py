@@ -168,6 +168,11 @@ class Engine:
         return self.graph is not None and self.graph.wait(timeout)
 
     @property
+    def running(self) -> bool:
+        """Whether the engine's own thread runs its steps (:meth:`start`)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def alive(self) -> bool:
         return self.error is None and (self._thread is None or self._thread.is_alive())
 
