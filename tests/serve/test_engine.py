@@ -196,6 +196,13 @@ def test_an_engine_runs_on_its_models_device_by_default() -> None:
     assert tiny_engine(model).pool.device == tiny_engine(model, device="cpu").pool.device == torch.device("cpu")
 
 
+def test_kv_memory_for_fewer_than_two_blocks_is_refused_naming_the_option_and_the_least() -> None:
+    """The message names the Python keyword and serve's flag (it was only ``kv_memory_mib=``, read by CLI users)."""
+    with pytest.raises(ValueError, match=r"0\.001 MiB of KV memory \(kv_memory_mib, serve's --kv-memory\) holds 0 "
+                                         r"blocks .*give at least"):
+        tiny_engine(tiny_model(), kv_memory_mib=0.001)
+
+
 def test_a_full_queue_is_refused() -> None:
     from attnkit.serve import QueueFullError
 

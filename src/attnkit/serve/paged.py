@@ -141,8 +141,9 @@ class PagedKVPool:
                                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
         num_blocks = int(kv_memory_mib * 2**20 // per_block)
         if num_blocks < 2:
-            raise ValueError(f"kv_memory_mib={kv_memory_mib} holds {num_blocks} blocks of {block_size} positions "
-                             f"({per_block / 2**20:.2f} MiB each); give at least {2 * per_block / 2**20:.2f} MiB")
+            raise ValueError(f"{kv_memory_mib} MiB of KV memory (kv_memory_mib, serve's --kv-memory) holds "
+                             f"{num_blocks} blocks of {block_size} positions ({per_block / 2**20:.2f} MiB each); "
+                             f"give at least {2 * per_block / 2**20:.2f} MiB")
         return cls(num_layers=config.num_layers, num_blocks=num_blocks, block_size=block_size,
                    num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype, device=held)
 
