@@ -91,21 +91,35 @@ def test_help_lists_every_command_and_unknown_commands_point_to_it(tiny: str, mo
     assert "unknown command /nope: /help lists the commands" in err
 
 
+def _ctrl_c_at_event(monkeypatch: pytest.MonkeyPatch, n: int) -> list[tuple[bool, int, int]]:
+    """Ctrl-C in the chat's thread while it waits for the first answer's ``n``-th event; returns, for each engine
+    the chat shuts down, (idle, free blocks, all blocks) as it was then."""
+    from attnkit.serve.driver import Answering
+    from attnkit.serve.engine import Engine
+
+    calls, ended = {"n": 0}, []
+    next_event, shutdown = Answering.__next__, Engine.shutdown
+
+    def pressed(self: Answering) -> Any:
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return next_event(self)
+
+    def noted(self: Engine) -> None:
+        ended.append((self.idle, self.blocks.free_blocks, self.blocks.num_blocks))
+        shutdown(self)
+
+    monkeypatch.setattr(Answering, "__next__", pressed)
+    monkeypatch.setattr(Engine, "shutdown", noted)
+    return ended
+
+
 def test_ctrl_c_during_an_answer_stops_it_and_keeps_what_was_written(
         tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """Ctrl-C during an answer ended the whole session; now it ends the answer, whose first part stays."""
-    from attnkit.models.text import IncrementalDecoder
-
-    added = {"n": 0}
-    add = IncrementalDecoder.add
-
-    def press_ctrl_c_at_the_fourth_token(self: IncrementalDecoder, token: int) -> str:
-        added["n"] += 1
-        if added["n"] == 4:
-            raise KeyboardInterrupt
-        return add(self, token)
-
-    monkeypatch.setattr(IncrementalDecoder, "add", press_ctrl_c_at_the_fourth_token)
+    """Ctrl-C during an answer ended the whole session; now it ends the answer, whose first part stays, and the
+    engine holds nothing of it afterwards."""
+    ended = _ctrl_c_at_event(monkeypatch, 4)
     prompts = _prompts(monkeypatch)
     _typing(monkeypatch, ["hi", "the"])
     assert main(["chat", "--gguf", tiny, "--max-new-tokens", "8"]) == 0
@@ -119,23 +133,14 @@ def test_ctrl_c_during_an_answer_stops_it_and_keeps_what_was_written(
                            {"role": "user", "content": "the"}]
     second = _answer(model, prompts[-1], 8)
     assert out.split("\n")[1] == second  # the conversation went on, with the partial answer in it
+    assert ended == [(True, ended[0][2], ended[0][2])]  # nothing running, every block free
 
 
 def test_ctrl_c_before_the_first_token_drops_the_message(tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    """Ctrl-C inside the first answer's first engine step (its prefill): the message goes, the engine goes on."""
-    from attnkit.serve.engine import Engine
-
-    step = Engine.step
-    calls = {"n": 0}
-
-    def interrupted_prefill(engine: Engine) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise KeyboardInterrupt
-        step(engine)
-
-    monkeypatch.setattr(Engine, "step", interrupted_prefill)
+    """Ctrl-C before the first answer's first event: the message goes, the request is cancelled (it ran on,
+    unseen, before the next answer), and the next turn answers as alone."""
+    ended = _ctrl_c_at_event(monkeypatch, 1)
     prompts = _prompts(monkeypatch)
     _typing(monkeypatch, ["hi", "the"])
     assert main(["chat", "--gguf", tiny, "--max-new-tokens", "3"]) == 0
@@ -144,6 +149,8 @@ def test_ctrl_c_before_the_first_token_drops_the_message(tiny: str, model: Any, 
     assert "before it began; your message is dropped" in err
     assert prompts[-1] == [{"role": "user", "content": "the"}]
     assert out.split("\n")[1] == _answer(model, prompts[-1], 3)  # the next answer, as alone
+    assert err.count("generation: 3 tokens") == 1
+    assert ended == [(True, ended[0][2], ended[0][2])]
 
 
 def test_ctrl_c_over_typed_text_clears_the_line_and_at_an_empty_prompt_ends(tiny: str, monkeypatch: pytest.MonkeyPatch,

@@ -125,3 +125,29 @@ def test_no_blocks_for_the_shared_copies_changes_nothing() -> None:
     assert b is not None and m.free_blocks == 0
     held = list(b.blocks)
     assert m.private(b.blocks) is None and b.blocks == held and m.refs[held[0]] == 2
+
+
+def test_a_sequence_takes_the_block_after_its_last_when_free_and_keeps_cached_prefixes() -> None:
+    """Consecutive blocks are read as one slice of the pool; a free block holding a cached prefix is not taken
+    for that (the least recently used one is)."""
+    m = BlockManager(12, 4)
+    first = written(m, list(range(10)))  # blocks 0, 1 (cached, full) and 2 (partial)
+    assert first.blocks == [0, 1, 2]
+    m.release(first.blocks)
+    turn = [*range(10), 50, 51, 52, 53, 54]  # the next turn of a conversation: its first 8 tokens are found
+    second = m.allocate(turn)
+    assert second is not None and second.cached_tokens == 8 and second.blocks == [0, 1, 2, 3]
+    assert m.grow(second.blocks, 17) and second.blocks == [0, 1, 2, 3, 4]  # one more block, the next one
+    other = written(m, [70, 71, 72, 73, 74])  # blocks 5 (cached) and 6
+    m.release(other.blocks)
+    third = m.allocate([80] * 3)
+    assert third is not None and m.grow(third.blocks, 6)  # after block 7 comes 8: free, nothing cached
+    assert third.blocks == [7, 8]
+    m = BlockManager(4, 2)
+    growing = m.allocate([9])  # block 0
+    cached = written(m, [1, 2])  # block 1, cached
+    m.release(cached.blocks)
+    assert growing is not None and m.grow(growing.blocks, 3)
+    assert growing.blocks == [0, 2]  # block 1 holds a cached prefix: kept
+    found = m.allocate([1, 2, 3])
+    assert found is not None and found.cached_tokens == 2

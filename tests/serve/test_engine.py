@@ -203,6 +203,28 @@ def test_kv_memory_for_fewer_than_two_blocks_is_refused_naming_the_option_and_th
         tiny_engine(tiny_model(), kv_memory_mib=0.001)
 
 
+def test_one_row_in_consecutive_blocks_is_read_as_a_slice_with_the_gathers_values() -> None:
+    """A single row whose blocks follow each other reads a slice of the pool (no copy); any other layout gathers,
+    and both hand the layer the same keys and values."""
+    from attnkit.serve.paged import PagedLayerCache
+
+    g = torch.Generator().manual_seed(0)
+    storage = torch.randn(2, 6 * 4 + 1, 2, 3, generator=g, dtype=torch.float64)  # keys, values: (N, G, D)
+    k, v = torch.randn(2, 1, 2, 1, 3, generator=g, dtype=torch.float64)  # (B, G, T, D): the tenth token's
+    positions = torch.tensor([[9]])  # (B, T)
+    for tables, lengths, sliced in (([[2, 3, 4]], [10], True), ([[2, 4, 3]], [10], False),
+                                    ([[2, 3, 4], [0, 1, 5]], [10, 10], False)):
+        rows = len(tables)
+        batch = PagedBatch.build(tables, positions.expand(rows, 1), lengths, 4, 6 * 4)
+        assert (batch.span is not None) == sliced, tables
+        gathered = PagedBatch(batch.write_slots, batch.read_slots, batch.key_positions)
+        read = [PagedLayerCache(*storage.clone(), b).update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1),
+                                                            positions) for b in (batch, gathered)]
+        torch.testing.assert_close(read[0].k, read[1].k, rtol=0, atol=0)
+        torch.testing.assert_close(read[0].v, read[1].v, rtol=0, atol=0)
+        torch.testing.assert_close(read[0].k[:, :, 9], k[:, :, 0].expand(rows, -1, -1), rtol=0, atol=0)
+
+
 def test_a_full_queue_is_refused() -> None:
     from attnkit.serve import QueueFullError
 

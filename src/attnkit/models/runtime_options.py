@@ -52,9 +52,9 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="run each decoding step as one compiled graph "
                    "(torch.compile over static caches): faster decoding, after compiling for a minute or more "
                    "once per process, at the first answer (counted in the reported speed; BENCHMARKS.md). "
-                   "attnkit chat and attnkit serve compile the serving engine's paged decode step instead, in the "
-                   "background while the eager step answers, kept on disk for the next start (serve does so by "
-                   "default; --no-compile turns it off)")
+                   "attnkit chat and attnkit serve compile the serving engine's paged decode step instead, kept on "
+                   "disk for the next start: chat before its first answer, serve by default in the background while "
+                   "the eager step answers (--no-compile turns it off)")
     p.add_argument("--cache", default="full", metavar="full|sink:SINKS,WINDOW[,CHUNK]",
                    help="full (default): keep every position, up to the model's context; sink:4,1020: keep the "
                    "first 4 tokens and a recent window of 1020 (StreamingLLM), in constant memory and with no "

@@ -6,6 +6,8 @@
 - :mod:`attnkit.serve.runner`: a step's rows through the model, and each request's next token;
 - :mod:`attnkit.serve.engine`: the engine thread, events, cancellation and metrics;
 - :mod:`attnkit.serve.graph`: the engine's decode step compiled in the background, kept on disk;
+- :mod:`attnkit.serve.driver`: one request's events read in the caller's thread (``attnkit chat``'s loop);
+- :mod:`attnkit.serve.chat_cli`: ``attnkit chat``, a terminal conversation over the engine;
 - :mod:`attnkit.serve.embeddings`: ``/v1/embeddings`` requests checked and run on MiniLM;
 - :mod:`attnkit.serve.checks`: an OpenAI request's fields checked one by one, and OpenAI's error shape;
 - :mod:`attnkit.serve.tools`: tool calls: whether a template offers tools, the call syntax, its grammar;

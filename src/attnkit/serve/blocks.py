@@ -73,9 +73,15 @@ class BlockManager:
         """How many blocks ``tokens`` positions need."""
         return -(-tokens // self.block_size)
 
-    def _take(self) -> int:
-        """A free block for new content: the least recently used, its old hash forgotten."""
-        block, _ = self.pool.popitem(last=False)
+    def _take(self, after: int | None = None) -> int:
+        """A free block for new content, its old hash forgotten: the block after ``after`` when it is free and holds
+        no cached prefix (a sequence in consecutive blocks is read as one slice of the pool: :mod:`.paged`), else
+        the least recently used."""
+        if after is not None and after + 1 in self.pool and self.hashes[after + 1] is None:
+            block = after + 1
+            del self.pool[block]
+        else:
+            block, _ = self.pool.popitem(last=False)
         self._forget(block)
         self.refs[block] = 1
         return block
@@ -128,7 +134,9 @@ class BlockManager:
             return None
         for block in hits:
             self._share(block)
-        blocks = hits + [self._take() for _ in range(needed)]
+        blocks = list(hits)
+        for _ in range(needed):
+            blocks.append(self._take(blocks[-1] if blocks else None))
         for i in range(len(hits), len(chain)):  # register the new full blocks now, ready once written
             if chain[i] not in self.by_hash:
                 self.by_hash[chain[i]] = blocks[i]
@@ -142,7 +150,7 @@ class BlockManager:
         while len(blocks) < self.blocks_for(length):
             if not self.pool:
                 return False
-            blocks.append(self._take())
+            blocks.append(self._take(blocks[-1] if blocks else None))
         return True
 
     def written(self, blocks: Sequence[int], length: int, tokens: Sequence[int]) -> None:

@@ -1,12 +1,13 @@
-"""``attnkit chat``: an interactive conversation, each turn one request to the serving engine stepped here.
+"""``attnkit chat``: an interactive conversation, each turn one request to the serving engine.
 
-The engine (:class:`~attnkit.serve.engine.Engine`, driven from this thread by :mod:`.driver`) keeps the
-conversation's keys and values in its prefix cache: a turn prefills only the tokens after the whole blocks it
-finds there, and its speed line says so ("prefilled 23 new tokens (128 cached)"); a template that re-renders
-earlier turns, or a history cut to fit, finds fewer. With --compile the eager step answers while the decoding
-step compiles in the background, kept on disk as ``attnkit serve`` keeps it (the next start loads it). The
-parser is :func:`attnkit.models.cli.add_parser`'s; loading and the terminal's pieces are
-:mod:`attnkit.models.terminal`'s.
+The engine (:class:`~attnkit.serve.engine.Engine`) runs in its own thread, as under ``attnkit serve``; this
+thread reads the turn's events (:mod:`.driver`), so Ctrl-C here cancels the request and never interrupts a
+step. The engine keeps the conversation's keys and values in its prefix cache: a turn prefills only the tokens
+after the whole blocks it finds there, and its speed line says so ("prefilled 23 new tokens (128 cached)"); a
+template that re-renders earlier turns, or a history cut to fit, finds fewer. With --compile the engine's
+decoding step is compiled before the first answer and kept on disk as ``attnkit serve`` keeps it (the next start
+loads it). The parser: :func:`add_parser` (its options are ``attnkit generate``'s); loading and the terminal's
+pieces are :mod:`attnkit.models.terminal`'s.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from __future__ import annotations
 import argparse
 import codecs
 import io
+import logging
 import sys
 import time
-from contextlib import closing
 from typing import TYPE_CHECKING, Any
 
 from attnkit.models.cli import add_generation_options
@@ -44,7 +45,6 @@ COMMANDS = {
     "/exit": "end the session (so do Ctrl-D, and Ctrl-C at an empty prompt)",
 }
 BLOCK_SIZE = 16  # positions per KV block (the prefix cache finds a conversation's earlier turns in whole blocks)
-KV_MEMORY_MIB = 512  # the most KV memory a chat holds (attnkit serve's default): the context, or what fits in it
 _REPLACE = "attnkit.replace"  # the error handler stdin decodes with in chat (see _tolerant_stdin)
 
 
@@ -83,9 +83,11 @@ def _line_editing() -> Any:
 
 
 def conversation_engine(model: DecoderModel, args: argparse.Namespace) -> Engine:
-    """The engine a chat steps: one request at a time, a prompt prefilled in one forward, KV memory for the model's
-    context (at most :data:`KV_MEMORY_MIB`), the options' cache, KV dtype and device; with --compile the decoding
-    step compiles in the background (kept on disk under attnkit's cache folder, as ``attnkit serve`` keeps it)."""
+    """The engine a chat runs (started; :meth:`Engine.shutdown` it after): one request at a time, a prompt
+    prefilled in one forward, a pool of the model's context (memory taken as positions are written), the
+    options' cache, KV dtype and device. With --compile, the decoding step is compiled before this returns
+    (kept on disk under attnkit's cache folder, as ``attnkit serve`` keeps it, so the next start loads it):
+    compiling in the background while eager steps answer slowed them about 12x on 2 cores (Python's GIL)."""
     from attnkit.serve.engine import Engine
     from attnkit.serve.paged import PagedKVPool, pool_dtype
 
@@ -94,31 +96,44 @@ def conversation_engine(model: DecoderModel, args: argparse.Namespace) -> Engine
     dtype = pool_dtype(next(model.parameters()).dtype, kv_dtype)
     per_block = PagedKVPool.bytes_per_block(num_layers=config.num_layers, block_size=BLOCK_SIZE,
                                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
-    blocks = -(-model.context_length // BLOCK_SIZE) + 1  # the context, and a block for a prompt's last token
-    mib = min(blocks * per_block, KV_MEMORY_MIB * 2**20) / 2**20
-    return Engine(model, model.decode, kv_memory_mib=mib, block_size=BLOCK_SIZE, max_batch=1,
-                  token_budget=model.context_length, kv_dtype=kv_dtype, compile=args.compile, device=args.device,
-                  cache=args.cache)
+    blocks = -(-model.context_length // BLOCK_SIZE)  # the context
+    engine = Engine(model, model.decode, kv_memory_mib=blocks * per_block / 2**20, block_size=BLOCK_SIZE,
+                    max_batch=1, token_budget=model.context_length, kv_dtype=kv_dtype, compile=args.compile,
+                    device=args.device, cache=args.cache)
+    engine.start()
+    return engine
+
+
+def compile_first(engine: Engine, console: Any) -> None:
+    """Wait for the engine's decoding step to compile, saying so (Ctrl-C stops waiting: eager steps answer)."""
+    logging.getLogger("attnkit.serve.compile").addHandler(logging.NullHandler())  # said here, not by the log
+    note(console, "compiling the decoding step (a minute or two on a CPU the first time, seconds once kept on "
+         "disk); Ctrl-C answers eagerly meanwhile")
+    try:
+        engine.wait_compiled()
+    except KeyboardInterrupt:
+        note(console, "(answering eagerly until the compiled step is ready)")
+        return
+    status = engine.compile_status()
+    if status["state"] == "ready":
+        note(console, f"(the compiled decoding step is ready after {status['seconds']} s)")
+    else:
+        note(console, f"(compiling the decoding step failed, answers are eager: {status.get('error')})")
 
 
 class _Chat:
     """One conversation: its messages, the engine that answers them (and keeps their keys and values), the
     prompt that fits, and what the user is told once."""
 
-    def __init__(self, model: DecoderModel, args: argparse.Namespace, console: Any) -> None:
-        self.model, self.args, self.console = model, args, console
+    def __init__(self, model: DecoderModel, args: argparse.Namespace, console: Any, engine: Engine) -> None:
+        self.model, self.args, self.console, self.engine = model, args, console, engine
         self.tokenizer = gguf_tokenizer(model)
         self.start = [{"role": "system", "content": args.system}] if args.system else []
         self.messages = list(self.start)
-        self.engine = conversation_engine(model, args)
-        self.limit = min(model.context_length, self.engine.capacity)  # the tokens a prompt and answer may take
         self.told: set[str] = set()
         self.readline = None
         self.replaced = 0
         self.prompt = "> " if sys.stdin.isatty() else ""  # piped input: stdout holds the answers only
-        if args.compile:
-            note(console, "compiling the decoding step in the background (a minute or two on a CPU the first time, "
-                 "seconds once kept on disk); answers run eagerly until it is ready")
 
     def tell_once(self, key: str, text: str) -> None:
         if key not in self.told:
@@ -157,95 +172,89 @@ class _Chat:
             note(self.console, f"unknown command {name}: /help lists the commands")
         return True
 
-    def prompt_ids(self) -> list[int]:
-        """The conversation's prompt, its oldest turns dropped (the system message kept) until an answer fits."""
-        context = self.limit
+    def fitted(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
+        """``messages`` with the oldest turns dropped (the system message kept) until an answer fits the context,
+        and their prompt's ids."""
+        context = self.model.context_length
         want = min(self.args.max_new_tokens, context // 2)
-        first = len(self.start)
-        while True:
-            ids = chat_ids(self.tokenizer, self.messages)
-            if len(ids) + want <= context or len(self.messages) <= first + 1:
-                return ids
+        first, messages = len(self.start), list(messages)
+        while len(ids := chat_ids(self.tokenizer, messages)) + want > context and len(messages) > first + 1:
             end = first + 1  # drop the oldest turn: a user message and the answers up to the next one
-            while end < len(self.messages) - 1 and self.messages[end]["role"] != "user":
+            while end < len(messages) - 1 and messages[end]["role"] != "user":
                 end += 1
-            del self.messages[first:end]
-            held = "the model's context" if context == self.model.context_length else "the chat's KV memory"
-            self.tell_once("trim", f"(the conversation outgrew {held} of {context} tokens: from now on its oldest "
-                           "turns are dropped; the system message stays)")
+            del messages[first:end]
+        return messages, ids
 
     def turn(self, line: str) -> None:
-        """Answer one message, keeping the conversation whatever happens to this answer."""
-        self.messages.append({"role": "user", "content": line})
+        """Answer one message; the conversation changes (its oldest turns dropped to fit, this message and its
+        answer, or what was written of it, added) only once there is an answer."""
+        asked = [*self.messages, {"role": "user", "content": line}]
+        messages, ids = self.fitted(asked)
         try:
-            answer = stream_request(self.engine, self.prompt_ids(), self.args, self.limit)
+            answer = stream_request(self.engine, ids, self.args)
         except ValueError as err:  # e.g. one message longer than the context: say so, keep the session
-            self.messages.pop()
             note(self.console, f"error: {err}")
             return
-        if answer.ending == "interrupted":
-            if answer.text:
-                self.messages.append({"role": "assistant", "content": answer.text})
-                note(self.console, "(answer stopped by Ctrl-C; what was written stays in the conversation)")
-            else:
-                self.messages.pop()
-                note(self.console, "(answer stopped by Ctrl-C before it began; your message is dropped)")
+        if answer.ending == "interrupted" and not answer.text:
+            note(self.console, "(answer stopped by Ctrl-C before it began; your message is dropped)")
             return
-        self.messages.append({"role": "assistant", "content": answer.text})
-        tell_ending(self.console, answer, self.args, self.limit)
+        if len(messages) < len(asked):
+            self.tell_once("trim", f"(the conversation outgrew the model's context of {self.model.context_length} "
+                           "tokens: from now on its oldest turns are dropped; the system message stays)")
+        self.messages = [*messages, {"role": "assistant", "content": answer.text}]
+        if answer.ending == "interrupted":
+            note(self.console, "(answer stopped by Ctrl-C; what was written stays in the conversation)")
+            return
+        tell_ending(self.console, answer, self.args, self.model.context_length)
         report_speed(self.console, answer.stats, cached=answer.cached)
-        self.tell_compiled()
-
-    def tell_compiled(self) -> None:
-        """Say once when the background compile ended (ready, or failed: answers stay eager)."""
-        status = self.engine.compile_status()
-        if status["state"] == "ready":
-            self.tell_once("compiled", f"(the compiled decoding step is ready after {status['seconds']} s: answers "
-                           "use it from now on)")
-        elif status["state"] == "failed":
-            self.tell_once("compiled", f"(compiling the decoding step failed, answers stay eager: {status['error']})")
 
 
-def stream_request(engine: Engine, ids: list[int], args: argparse.Namespace, limit: int) -> Answer:
-    """Stream the answer to the prompt ``ids`` to stdout, one request to ``engine`` stepped here (:mod:`.driver`);
-    Ctrl-C stops it (``ending="interrupted"``). ``limit``: the tokens the prompt and its answer may take."""
+def stream_request(engine: Engine, ids: list[int], args: argparse.Namespace) -> Answer:
+    """Stream the answer to the prompt ``ids`` to stdout, one request to the running ``engine`` (:mod:`.driver`);
+    Ctrl-C stops it (``ending="interrupted"``)."""
     from attnkit.models.generation_options import GenerationOptions, GenerationStats
     from attnkit.models.sink_caches import SinkSpec
-    from attnkit.serve.driver import run_request
+    from attnkit.serve.driver import Answering, run_request
+    from attnkit.serve.scheduler import Event
 
-    endless = SinkSpec.parse(args.cache) is not None  # a sink window: no limit on new tokens
-    room = args.max_new_tokens if endless else limit - len(ids)
+    context = engine.model.context_length
+    room = args.max_new_tokens if SinkSpec.parse(args.cache) is not None else context - len(ids)  # a sink: no limit
     if room < 1:
-        held = (f"the model's context length {limit}" if limit == engine.model.context_length else
-                f"the chat's KV memory of {limit} tokens")
-        raise ValueError(f"the prompt has {len(ids)} tokens, no room left in {held}")
+        raise ValueError(f"the prompt has {len(ids)} tokens, no room left in the model's context length {context}")
     budget = min(args.max_new_tokens, room)
     options = GenerationOptions(max_new_tokens=budget, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
                                 frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
-    stats, pieces, reason = GenerationStats(rows=1), [], None
+    stats, pieces, last = GenerationStats(rows=1), [], Event("", [])
     began = first = time.perf_counter()
-    answering = run_request(engine, ids, options)
-    events = iter(answering)
+    answering: Answering | None = None
     try:
-        with closing(events):  # closed at once, also on Ctrl-C: the request ends and its blocks go back
-            for event in events:
-                if not stats.new_tokens and event.token_ids:
-                    first = time.perf_counter()
-                stats.new_tokens += len(event.token_ids)
-                pieces.append(write_stdout(event.text))
-                reason = event.finish_reason
+        answering = run_request(engine, ids, options)
+        for last in answering:
+            first = first if stats.new_tokens or not last.token_ids else time.perf_counter()
+            stats.new_tokens += len(last.token_ids)
+            pieces.append(write_stdout(last.text))
     except KeyboardInterrupt:
-        reason = "interrupted"
-    if reason == "error":
-        write_stdout("\n")
-        raise ValueError(f"the answer failed: {event.error}")
+        last = Event("", [], "interrupted")
+    finally:  # Ctrl-C or any error: the request is cancelled and its blocks are free before the next turn
+        if answering is not None:
+            answering.close()
+    cached = 0 if answering is None else answering.request.cached_tokens  # set when the engine admitted it
     write_stdout("\n")
-    stats.prompt_tokens = len(ids) - answering.request.cached_tokens
+    if last.finish_reason == "error":
+        raise ValueError(f"the answer failed: {last.error}")
+    stats.prompt_tokens = len(ids) - cached
     stats.prefill_seconds, stats.decode_seconds = first - began, time.perf_counter() - first
-    ending = ("interrupted" if reason == "interrupted" else "stop" if reason != "length" or stats.new_tokens < budget
-              else "max-new-tokens" if budget == args.max_new_tokens else "context")
-    return Answer("".join(pieces), stats, ending, answering.request.cached_tokens)
+    return Answer("".join(pieces), stats, _ending(last.finish_reason, stats.new_tokens, budget, args), cached)
+
+
+def _ending(reason: str | None, tokens: int, budget: int, args: argparse.Namespace) -> str:
+    """An answer's :attr:`Answer.ending` from the engine's finish reason."""
+    if reason == "interrupted":
+        return "interrupted"
+    if reason != "length" or tokens < budget:
+        return "stop"  # a stop id or string
+    return "max-new-tokens" if budget == args.max_new_tokens else "context"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -267,8 +276,18 @@ def run_chat(args: argparse.Namespace) -> int:
     set_threads(args)
     console = stderr_console()
     model = load_model(args, console)
-    chat = _Chat(model, args, console)
+    engine = conversation_engine(model, args)
+    try:
+        return _converse(_Chat(model, args, console, engine), console)
+    finally:
+        engine.shutdown()
+
+
+def _converse(chat: _Chat, console: Any) -> int:
+    """Read lines until Ctrl-D or /exit, answering each; 0 at the end."""
     chat_ids(chat.tokenizer, [*chat.start, {"role": "user", "content": "hi"}])  # a broken template: exit 2 now
+    if chat.args.compile:
+        compile_first(chat.engine, console)
     _tolerant_stdin()
     chat.readline = _line_editing()
     note(console, "chat with the model: /help lists the commands; Ctrl-C stops an answer; Ctrl-D ends")

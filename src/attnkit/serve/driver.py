@@ -1,53 +1,66 @@
-"""The engine driven from the caller's thread, one request at a time: ``attnkit chat``'s loop.
+"""One request's events, read in the caller's thread from an engine running in its own: ``attnkit chat``'s loop.
 
-The server runs the engine in a thread of its own (:meth:`Engine.start`) for many clients. A terminal
-conversation has one request at a time and nothing else to do while it is answered, so it steps the engine
-itself: :func:`run_request` submits a prompt and yields its :class:`Event` s as the steps produce them. The
-steps are the server's (the same scheduler, runner and compiled graph): a later prompt that starts with an
-earlier one's tokens finds them in the prefix cache and prefills only the rest, and with ``compile=True`` the
-eager step answers until the graph compiled in the background is ready.
+The server hands each request's events to its HTTP stream; a terminal conversation has one request at a time
+and waits for it: :func:`run_request` submits a prompt to a started :class:`Engine` and iterates the events
+as the engine's thread produces them. The steps are the server's (the same scheduler, runner and compiled
+graph): a later prompt that starts with an earlier one's tokens finds them in the prefix cache and prefills
+only the rest. The engine's state is only touched by its own thread, so a KeyboardInterrupt in the caller
+(Ctrl-C, which Python raises in the main thread) cannot leave a step half done: it cancels the request, whose
+blocks the engine frees at its next step.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Generator, Sequence
+import queue
+from collections.abc import Iterator, Sequence
 
 from attnkit.models.generation_options import GenerationOptions
 
 from .engine import Engine
 from .scheduler import Event, Request
 
+WAIT = 0.1  # seconds between checks that the engine is still alive while waiting for an event
 
-class Answering:
-    """One request run to its end by :func:`run_request`: iterate for its events; ``request`` is the engine's
-    (its ``cached_tokens``: prompt tokens the prefix cache held)."""
+
+class Answering(Iterator[Event]):
+    """The events of one request to a running engine, in order, the last with its ``finish_reason``; ``close()``
+    (also on leaving a ``with closing(...)`` block early) cancels the request and waits until the engine ended it.
+    ``request``: the engine's (its ``cached_tokens``: prompt tokens the prefix cache held)."""
 
     def __init__(self, engine: Engine, prompt: Sequence[int], options: GenerationOptions) -> None:
-        if engine.running:
-            raise RuntimeError("the engine runs in its own thread (Engine.start): submit() to it instead of "
-                               "driving it from this one")
-        self.engine = engine
-        self.events: deque[Event] = deque()
-        self.request: Request = engine.submit(prompt, options, self.events.append)
+        if not engine.running:
+            raise RuntimeError("run_request reads the events of an engine that runs in its own thread: call "
+                               "engine.start() first")
+        self.engine, self.finished = engine, False
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.request: Request = engine.submit(prompt, options, self.events.put)
 
-    def __iter__(self) -> Generator[Event, None, None]:
-        try:
-            while True:
-                if not self.events:
-                    self.engine.step()
-                while self.events:
-                    event = self.events.popleft()
-                    yield event
-                    if event.finish_reason is not None:
-                        return
-        finally:  # closed early, or an exception (Ctrl-C) inside a step: the request ends, its blocks go back
-            if not self.request.finished:
-                self.engine.cancel(self.request)
-                self.engine.step()
+    def __next__(self) -> Event:
+        if self.finished:
+            raise StopIteration
+        event = self._next_event()
+        self.finished = event.finish_reason is not None
+        return event
+
+    def _next_event(self) -> Event:
+        while True:
+            try:
+                return self.events.get(timeout=WAIT)
+            except queue.Empty:
+                if not self.engine.alive:  # its thread died: every request got an "error" event, or it was stopped
+                    return Event("", [], "error", error=f"the engine stopped: {self.engine.error!r}")
+
+    def close(self) -> None:
+        """Cancel the request unless it ended, and wait for its last event (its blocks are then free)."""
+        if self.finished:
+            return
+        self.engine.cancel(self.request)
+        while not self.finished:
+            self.finished = self._next_event().finish_reason is not None
 
 
 def run_request(engine: Engine, prompt: Sequence[int], options: GenerationOptions) -> Answering:
-    """Submit ``prompt`` to ``engine`` (not started) and step it in this thread: iterate the result for the
-    request's events until the last (its ``finish_reason`` set). Leaving the loop early cancels the request."""
+    """Submit ``prompt`` to ``engine`` (started: :meth:`Engine.start`) and iterate its events here, the last with
+    its ``finish_reason`` set. ``close()`` the result when leaving early (``contextlib.closing``): the request is
+    cancelled. Refused requests raise as :meth:`Engine.submit` does."""
     return Answering(engine, prompt, options)
