@@ -91,14 +91,13 @@ def test_help_lists_every_command_and_unknown_commands_point_to_it(tiny: str, mo
     assert "unknown command /nope: /help lists the commands" in err
 
 
-def _ctrl_c_at_event(monkeypatch: pytest.MonkeyPatch, n: int) -> list[tuple[bool, int, int]]:
-    """Ctrl-C in the chat's thread while it waits for the first answer's ``n``-th event; returns, for each engine
-    the chat shuts down, (idle, free blocks, all blocks) as it was then."""
+def _ctrl_c_at_event(monkeypatch: pytest.MonkeyPatch, n: int) -> list[Any]:
+    """Ctrl-C while the chat waits for the first answer's ``n``-th event; returns the engines the chat made."""
+    from attnkit.serve import chat_cli
     from attnkit.serve.driver import Answering
-    from attnkit.serve.engine import Engine
 
-    calls, ended = {"n": 0}, []
-    next_event, shutdown = Answering.__next__, Engine.shutdown
+    calls, made = {"n": 0}, []
+    next_event, make = Answering.__next__, chat_cli.conversation_engine
 
     def pressed(self: Answering) -> Any:
         calls["n"] += 1
@@ -106,20 +105,25 @@ def _ctrl_c_at_event(monkeypatch: pytest.MonkeyPatch, n: int) -> list[tuple[bool
             raise KeyboardInterrupt
         return next_event(self)
 
-    def noted(self: Engine) -> None:
-        ended.append((self.idle, self.blocks.free_blocks, self.blocks.num_blocks))
-        shutdown(self)
+    def noted(*args: Any) -> Any:
+        made.append(make(*args))
+        return made[-1]
 
     monkeypatch.setattr(Answering, "__next__", pressed)
-    monkeypatch.setattr(Engine, "shutdown", noted)
-    return ended
+    monkeypatch.setattr(chat_cli, "conversation_engine", noted)
+    return made
+
+
+def _holds_nothing(engine: Any) -> bool:
+    """Nothing waits or runs, and every block is free (cached prefixes may stay)."""
+    return bool(engine.idle and engine.blocks.free_blocks == engine.blocks.num_blocks)
 
 
 def test_ctrl_c_during_an_answer_stops_it_and_keeps_what_was_written(
         tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Ctrl-C during an answer ended the whole session; now it ends the answer, whose first part stays, and the
     engine holds nothing of it afterwards."""
-    ended = _ctrl_c_at_event(monkeypatch, 4)
+    made = _ctrl_c_at_event(monkeypatch, 4)
     prompts = _prompts(monkeypatch)
     _typing(monkeypatch, ["hi", "the"])
     assert main(["chat", "--gguf", tiny, "--max-new-tokens", "8"]) == 0
@@ -133,14 +137,14 @@ def test_ctrl_c_during_an_answer_stops_it_and_keeps_what_was_written(
                            {"role": "user", "content": "the"}]
     second = _answer(model, prompts[-1], 8)
     assert out.split("\n")[1] == second  # the conversation went on, with the partial answer in it
-    assert ended == [(True, ended[0][2], ended[0][2])]  # nothing running, every block free
+    assert len(made) == 1 and _holds_nothing(made[0])
 
 
 def test_ctrl_c_before_the_first_token_drops_the_message(tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Ctrl-C before the first answer's first event: the message goes, the request is cancelled (it ran on,
     unseen, before the next answer), and the next turn answers as alone."""
-    ended = _ctrl_c_at_event(monkeypatch, 1)
+    made = _ctrl_c_at_event(monkeypatch, 1)
     prompts = _prompts(monkeypatch)
     _typing(monkeypatch, ["hi", "the"])
     assert main(["chat", "--gguf", tiny, "--max-new-tokens", "3"]) == 0
@@ -150,7 +154,7 @@ def test_ctrl_c_before_the_first_token_drops_the_message(tiny: str, model: Any, 
     assert prompts[-1] == [{"role": "user", "content": "the"}]
     assert out.split("\n")[1] == _answer(model, prompts[-1], 3)  # the next answer, as alone
     assert err.count("generation: 3 tokens") == 1
-    assert ended == [(True, ended[0][2], ended[0][2])]
+    assert len(made) == 1 and _holds_nothing(made[0])
 
 
 def test_ctrl_c_over_typed_text_clears_the_line_and_at_an_empty_prompt_ends(tiny: str, monkeypatch: pytest.MonkeyPatch,

@@ -1,29 +1,23 @@
-"""One request's events read in the caller's thread from a running engine (attnkit.serve.driver): chat's loop."""
+"""One request run to its end by stepping the engine in the caller's thread (attnkit.serve.driver): chat's loop."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import signal
 from contextlib import closing
+from typing import Any
 
 import pytest
 
 from attnkit.models.generation_options import GenerationOptions
-from attnkit.serve import Engine
 from attnkit.serve.driver import run_request
 from tests.serve._engine import run_requests, tiny_engine, tiny_model
 
 MODEL = tiny_model()
 
 
-@pytest.fixture
-def engine() -> Iterator[Engine]:
+def test_a_request_gives_the_engines_tokens_and_a_later_prompt_finds_the_first() -> None:
     engine = tiny_engine(MODEL)
-    engine.start()
-    yield engine
-    engine.shutdown()
-
-
-def test_a_request_gives_the_engines_tokens_and_a_later_prompt_finds_the_first(engine: Engine) -> None:
     options = GenerationOptions(max_new_tokens=7, temperature=0.9, seed=3)
     prompt = [5, 9, 2, 7, 1, 3, 8, 4, 6]
     expected, reason = run_requests(tiny_engine(MODEL), [prompt], [options])[0]
@@ -32,7 +26,7 @@ def test_a_request_gives_the_engines_tokens_and_a_later_prompt_finds_the_first(e
     assert [t for e in events for t in e.token_ids] == expected
     assert events[-1].finish_reason == reason == "length"
     assert all(e.finish_reason is None for e in events[:-1])
-    assert answering.request.cached_tokens == 0 and list(answering) == []  # ended: no more events, no wait
+    assert answering.request.cached_tokens == 0 and list(answering) == []  # ended: no more events, no step
     longer = [*prompt, *expected, 11, 12]  # the conversation goes on: the first turn's whole blocks are found
     again = run_request(engine, longer, GenerationOptions(max_new_tokens=2))
     list(again)
@@ -40,8 +34,9 @@ def test_a_request_gives_the_engines_tokens_and_a_later_prompt_finds_the_first(e
 
 
 @pytest.mark.parametrize("read", [0, 1])
-def test_closing_early_cancels_the_request_and_frees_its_blocks(engine: Engine, read: int) -> None:
-    """Closed before the first event (Ctrl-C right after submitting: the request ran on, unseen) or after one."""
+def test_closing_early_cancels_the_request_and_frees_its_blocks(read: int) -> None:
+    """Closed before the first event (Ctrl-C right after submitting: it would run on, unseen) or after one."""
+    engine = tiny_engine(MODEL)
     free = engine.blocks.free_blocks
     with closing(run_request(engine, [1, 2, 3, 4, 5, 6], GenerationOptions(max_new_tokens=100))) as answering:
         for _ in range(read):
@@ -50,16 +45,49 @@ def test_closing_early_cancels_the_request_and_frees_its_blocks(engine: Engine, 
     assert engine.idle and engine.blocks.free_blocks == free
 
 
-def test_an_engine_that_dies_ends_the_request_with_an_error_not_a_hang(engine: Engine,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ctrl_c_during_a_step_is_raised_after_it_and_the_engine_answers_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT arrives inside a step's forward: the step ends whole, then KeyboardInterrupt; closing cancels the
+    request, every block is free, and the next request answers as it would alone."""
+    engine = tiny_engine(MODEL)
+    forward, calls = engine.runner.forward, []
+
+    def interrupted(rows: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, in the middle of the third step
+        return forward(rows)
+
+    monkeypatch.setattr(engine.runner, "forward", interrupted)
+    answering = run_request(engine, [1, 2, 3, 4, 5], GenerationOptions(max_new_tokens=9))
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        for event in answering:
+            seen += event.token_ids
+    assert len(seen) == 2 and answering.request.generated == 3  # the third step sampled its token, whole
+    answering.close()
+    assert answering.request.finished and engine.idle and engine.blocks.free_blocks == engine.blocks.num_blocks
+    options = GenerationOptions(max_new_tokens=5)
+    got = [t for e in run_request(engine, [7, 8, 9], options) for t in e.token_ids]
+    assert got == run_requests(tiny_engine(MODEL), [[7, 8, 9]], [options])[0][0]
+
+
+def test_an_engine_that_dies_ends_the_request_with_an_error_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tiny_engine(MODEL)
+
     def broken(rows: object) -> None:
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(engine.runner, "forward", broken)
     events = list(run_request(engine, [1, 2, 3], GenerationOptions(max_new_tokens=5)))
     assert events[-1].finish_reason == "error" and "out of memory" in (events[-1].error or "")
+    assert not engine.alive
 
 
-def test_an_engine_not_started_is_refused() -> None:
-    with pytest.raises(RuntimeError, match=r"engine\.start\(\) first"):
-        run_request(tiny_engine(MODEL), [1, 2], GenerationOptions(max_new_tokens=2))
+def test_an_engine_running_its_own_thread_is_refused() -> None:
+    engine = tiny_engine(MODEL)
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="runs its own"):
+            run_request(engine, [1, 2], GenerationOptions(max_new_tokens=2))
+    finally:
+        engine.shutdown()

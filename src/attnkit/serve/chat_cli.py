@@ -1,9 +1,9 @@
 """``attnkit chat``: an interactive conversation, each turn one request to the serving engine.
 
-The engine (:class:`~attnkit.serve.engine.Engine`) runs in its own thread, as under ``attnkit serve``; this
-thread reads the turn's events (:mod:`.driver`), so Ctrl-C here cancels the request and never interrupts a
-step. The engine keeps the conversation's keys and values in its prefix cache: a turn prefills only the tokens
-after the whole blocks it finds there, and its speed line says so ("prefilled 23 new tokens (128 cached)"); a
+This thread steps the engine (:class:`~attnkit.serve.engine.Engine`, through :mod:`.driver`), holding Ctrl-C
+back until a step ends: it then cancels the request, and never interrupts a step. The engine keeps the
+conversation's keys and values in its prefix cache: a turn prefills only the tokens after the whole blocks it
+finds there, and its speed line says so ("prefilled 23 new tokens (128 cached)"); a
 template that re-renders earlier turns, or a history cut to fit, finds fewer. With --compile the engine's
 decoding step is compiled before the first answer and kept on disk as ``attnkit serve`` keeps it (the next start
 loads it). The parser: :func:`add_parser` (its options are ``attnkit generate``'s); loading and the terminal's
@@ -45,6 +45,7 @@ COMMANDS = {
     "/exit": "end the session (so do Ctrl-D, and Ctrl-C at an empty prompt)",
 }
 BLOCK_SIZE = 16  # positions per KV block (the prefix cache finds a conversation's earlier turns in whole blocks)
+PREFILL_BUDGET = 512  # the most prompt tokens one step prefills (about a second on 2 cores: Ctrl-C waits for it)
 _REPLACE = "attnkit.replace"  # the error handler stdin decodes with in chat (see _tolerant_stdin)
 
 
@@ -83,11 +84,10 @@ def _line_editing() -> Any:
 
 
 def conversation_engine(model: DecoderModel, args: argparse.Namespace) -> Engine:
-    """The engine a chat runs (started; :meth:`Engine.shutdown` it after): one request at a time, a prompt
-    prefilled in one forward, a pool of the model's context (memory taken as positions are written), the
-    options' cache, KV dtype and device. With --compile, the decoding step is compiled before this returns
-    (kept on disk under attnkit's cache folder, as ``attnkit serve`` keeps it, so the next start loads it):
-    compiling in the background while eager steps answer slowed them about 12x on 2 cores (Python's GIL)."""
+    """The engine a chat steps: one request at a time, a prompt prefilled in pieces of at most
+    :data:`PREFILL_BUDGET` tokens (Ctrl-C waits for a step to end), a pool of the model's context (memory taken
+    as positions are written), the options' cache, KV dtype and device; with --compile, the decoding step
+    compiling (:func:`compile_first` waits for it)."""
     from attnkit.serve.engine import Engine
     from attnkit.serve.paged import PagedKVPool, pool_dtype
 
@@ -97,15 +97,15 @@ def conversation_engine(model: DecoderModel, args: argparse.Namespace) -> Engine
     per_block = PagedKVPool.bytes_per_block(num_layers=config.num_layers, block_size=BLOCK_SIZE,
                                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
     blocks = -(-model.context_length // BLOCK_SIZE)  # the context
-    engine = Engine(model, model.decode, kv_memory_mib=blocks * per_block / 2**20, block_size=BLOCK_SIZE,
-                    max_batch=1, token_budget=model.context_length, kv_dtype=kv_dtype, compile=args.compile,
-                    device=args.device, cache=args.cache)
-    engine.start()
-    return engine
+    return Engine(model, model.decode, kv_memory_mib=blocks * per_block / 2**20, block_size=BLOCK_SIZE,
+                  max_batch=1, token_budget=PREFILL_BUDGET, kv_dtype=kv_dtype, compile=args.compile,
+                  device=args.device, cache=args.cache)
 
 
 def compile_first(engine: Engine, console: Any) -> None:
-    """Wait for the engine's decoding step to compile, saying so (Ctrl-C stops waiting: eager steps answer)."""
+    """Wait for the engine's decoding step to compile, saying so (Ctrl-C stops waiting: eager steps answer).
+    Kept on disk under attnkit's cache folder, as ``attnkit serve`` keeps it, the next start loads it. Not in
+    the background: a compile beside eager steps slowed them about 12x on 2 cores (Python's GIL)."""
     logging.getLogger("attnkit.serve.compile").addHandler(logging.NullHandler())  # said here, not by the log
     note(console, "compiling the decoding step (a minute or two on a CPU the first time, seconds once kept on "
          "disk); Ctrl-C answers eagerly meanwhile")
@@ -210,7 +210,7 @@ class _Chat:
 
 
 def stream_request(engine: Engine, ids: list[int], args: argparse.Namespace) -> Answer:
-    """Stream the answer to the prompt ``ids`` to stdout, one request to the running ``engine`` (:mod:`.driver`);
+    """Stream the answer to the prompt ``ids`` to stdout, one request to ``engine`` stepped here (:mod:`.driver`);
     Ctrl-C stops it (``ending="interrupted"``)."""
     from attnkit.models.generation_options import GenerationOptions, GenerationStats
     from attnkit.models.sink_caches import SinkSpec
@@ -276,11 +276,7 @@ def run_chat(args: argparse.Namespace) -> int:
     set_threads(args)
     console = stderr_console()
     model = load_model(args, console)
-    engine = conversation_engine(model, args)
-    try:
-        return _converse(_Chat(model, args, console, engine), console)
-    finally:
-        engine.shutdown()
+    return _converse(_Chat(model, args, console, conversation_engine(model, args)), console)
 
 
 def _converse(chat: _Chat, console: Any) -> int:

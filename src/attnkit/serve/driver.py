@@ -1,66 +1,92 @@
-"""One request's events, read in the caller's thread from an engine running in its own: ``attnkit chat``'s loop.
+"""One request run to its end by stepping the engine in the caller's thread: ``attnkit chat``'s loop.
 
-The server hands each request's events to its HTTP stream; a terminal conversation has one request at a time
-and waits for it: :func:`run_request` submits a prompt to a started :class:`Engine` and iterates the events
-as the engine's thread produces them. The steps are the server's (the same scheduler, runner and compiled
-graph): a later prompt that starts with an earlier one's tokens finds them in the prefix cache and prefills
-only the rest. The engine's state is only touched by its own thread, so a KeyboardInterrupt in the caller
-(Ctrl-C, which Python raises in the main thread) cannot leave a step half done: it cancels the request, whose
-blocks the engine frees at its next step.
+The server runs the engine in a thread of its own (:meth:`Engine.start`) for many clients. A terminal
+conversation has one request at a time and waits for it, so it steps the engine itself: :func:`run_request`
+submits a prompt and yields its :class:`Event` s as the steps produce them (the engine's own thread would
+cost about 12% of the decode rate here: BENCHMARKS.md, round eighteen). The steps are the server's (the same
+scheduler, runner and compiled graph): a later prompt that starts with an earlier one's tokens finds them in
+the prefix cache and prefills only the rest.
+
+Ctrl-C (SIGINT, delivered to the main thread) is held back while a step runs and raised between two steps, so
+it never leaves the engine's bookkeeping half done; leaving the iteration early (``close()``) cancels the
+request, whose blocks the next step frees.
 """
 
 from __future__ import annotations
 
-import queue
+import signal
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from attnkit.models.generation_options import GenerationOptions
 
 from .engine import Engine
 from .scheduler import Event, Request
 
-WAIT = 0.1  # seconds between checks that the engine is still alive while waiting for an event
+STUCK = 1000  # steps in a row that move the request no further before it ends with an error, not a hang
+
+
+@contextmanager
+def sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C back for the block (in the main thread; elsewhere there is none to hold), raise it after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: pressed.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 class Answering(Iterator[Event]):
-    """The events of one request to a running engine, in order, the last with its ``finish_reason``; ``close()``
-    (also on leaving a ``with closing(...)`` block early) cancels the request and waits until the engine ended it.
+    """The events of one request, stepped here; the last has its ``finish_reason``. ``close()`` (also on
+    leaving a ``with closing(...)`` block early) cancels the request and steps until the engine ended it.
     ``request``: the engine's (its ``cached_tokens``: prompt tokens the prefix cache held)."""
 
     def __init__(self, engine: Engine, prompt: Sequence[int], options: GenerationOptions) -> None:
-        if not engine.running:
-            raise RuntimeError("run_request reads the events of an engine that runs in its own thread: call "
-                               "engine.start() first")
+        if engine.running:
+            raise RuntimeError("run_request steps the engine in this thread; this one runs its own "
+                               "(Engine.start): submit() to it instead")
         self.engine, self.finished = engine, False
-        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self.request: Request = engine.submit(prompt, options, self.events.put)
+        self.events: deque[Event] = deque()
+        self.request: Request = engine.submit(prompt, options, self.events.append)
 
     def __next__(self) -> Event:
         if self.finished:
             raise StopIteration
-        event = self._next_event()
+        stuck = 0
+        while not self.events:
+            where = (self.request.computed, self.request.generated)
+            self._step()
+            stuck = stuck + 1 if (self.request.computed, self.request.generated) == where else 0
+            if stuck >= STUCK and not self.events:
+                self.events.append(Event("", [], "error", error=f"the engine did not move the request in {STUCK} "
+                                                                 "steps"))
+        event = self.events.popleft()
         self.finished = event.finish_reason is not None
         return event
 
-    def _next_event(self) -> Event:
-        while True:
-            try:
-                return self.events.get(timeout=WAIT)
-            except queue.Empty:
-                if not self.engine.alive:  # its thread died: every request got an "error" event, or it was stopped
-                    return Event("", [], "error", error=f"the engine stopped: {self.engine.error!r}")
+    def _step(self) -> None:
+        with sigint_held():
+            self.engine.step_or_die()  # a dead engine ends the request with an "error" event
 
     def close(self) -> None:
-        """Cancel the request unless it ended, and wait for its last event (its blocks are then free)."""
+        """Cancel the request unless it ended; step until its last event (its blocks are then free)."""
         if self.finished:
             return
         self.engine.cancel(self.request)
-        while not self.finished:
-            self.finished = self._next_event().finish_reason is not None
+        for _ in self:
+            pass
 
 
 def run_request(engine: Engine, prompt: Sequence[int], options: GenerationOptions) -> Answering:
-    """Submit ``prompt`` to ``engine`` (started: :meth:`Engine.start`) and iterate its events here, the last with
+    """Submit ``prompt`` to ``engine`` (not started: this thread steps it) and iterate its events, the last with
     its ``finish_reason`` set. ``close()`` the result when leaving early (``contextlib.closing``): the request is
     cancelled. Refused requests raise as :meth:`Engine.submit` does."""
     return Answering(engine, prompt, options)

@@ -183,11 +183,18 @@ class Engine:
                     self._lock.wait()
                 if self._stop:
                     return
-            try:
-                self.step()
-            except BaseException as err:  # the engine is dead: every request fails now, none hangs
-                self._die(err)
+            if not self.step_or_die():
                 return
+
+    def step_or_die(self) -> bool:
+        """:meth:`step`; on an exception the engine is dead (:attr:`error`), every request ends with an "error"
+        event (none hangs) and False comes back."""
+        try:
+            self.step()
+        except BaseException as err:
+            self._die(err)
+            return False
+        return True
 
     def _die(self, err: BaseException) -> None:
         with self._lock:
