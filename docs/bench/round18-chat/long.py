@@ -6,7 +6,8 @@ read as a slice (one sequence in consecutive blocks) or gathered (as before this
 SmolLM2-135M-Instruct in its default form (int4), 2 threads, eager steps, greedy, stop ids off; a random prompt
 of T tokens (T = 16 and 3,900), 64 new tokens. Each round runs the three contenders once, interleaved in one
 process (``PagedBatch.build`` without its slice for "engine, gather"); a warm-up round, then ROUNDS rounds; the
-median decode rate (tokens/s after the first token). Printed, and written to OUT_DIR/results.json with the CPU
+median decode rate (tokens/s after the first token). The engine is stepped in this thread
+(:mod:`attnkit.serve.driver`, as ``attnkit chat`` steps it). Printed, and written to OUT_DIR/results.json with the CPU
 capability and whether each contender's tokens equal generate's.
 """
 
@@ -47,15 +48,13 @@ def with_generate(model: Any, prompt: list[int]) -> tuple[float, list[int]]:
 def with_engine(model: Any, prompt: list[int], slice_read: bool) -> tuple[float, list[int]]:
     PagedBatch.build = classmethod(BUILD if slice_read else gathered)  # type: ignore[method-assign, assignment]
     engine = Engine(model, model.decode, kv_memory_mib=512, max_batch=1, token_budget=8192)
-    engine.start()
     try:
         tokens, first = [], 0.0
-        for event in run_request(engine, prompt, GenerationOptions(max_new_tokens=NEW)):
+        for event in run_request(engine, prompt, GenerationOptions(max_new_tokens=NEW)):  # stepped here
             tokens += event.token_ids
             first = first or time.perf_counter()
         return (len(tokens) - 1) / (time.perf_counter() - first), tokens
     finally:
-        engine.shutdown()
         PagedBatch.build = classmethod(BUILD)  # type: ignore[method-assign, assignment]
 
 
