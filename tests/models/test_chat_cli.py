@@ -157,6 +157,30 @@ def test_ctrl_c_before_the_first_token_drops_the_message(tiny: str, model: Any, 
     assert len(made) == 1 and _holds_nothing(made[0])
 
 
+def test_after_the_engine_dies_a_new_one_answers_the_next_message(
+        tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A failed step (out of memory, a bug) ended the engine, and the next message crashed the chat."""
+    from attnkit.serve.runner import Runner
+
+    forward, calls = Runner.forward, []
+
+    def fails_once(self: Runner, rows: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return forward(self, rows)
+
+    monkeypatch.setattr(Runner, "forward", fails_once)
+    prompts = _prompts(monkeypatch)
+    _typing(monkeypatch, ["hi", "the"])
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    monkeypatch.undo()
+    assert "out of memory" in err and "a new one answers from now on" in err
+    assert prompts[-1] == [{"role": "user", "content": "the"}]  # the failed message left no trace
+    assert out.split("\n")[1] == _answer(model, prompts[-1], 3)
+
+
 def test_ctrl_c_over_typed_text_clears_the_line_and_at_an_empty_prompt_ends(tiny: str, monkeypatch: pytest.MonkeyPatch,
                                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """As in a shell: Ctrl-C with text typed (readline's line buffer) gives a fresh prompt; with none, it ends."""

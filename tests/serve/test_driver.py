@@ -71,6 +71,42 @@ def test_ctrl_c_during_a_step_is_raised_after_it_and_the_engine_answers_on(monke
     assert got == run_requests(tiny_engine(MODEL), [[7, 8, 9]], [options])[0][0]
 
 
+def test_ctrl_c_held_back_restores_the_handler_and_an_ignored_one_stays_ignored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After every step the SIGINT handler is the one before it (after an error too); a process that ignores
+    SIGINT (started in the background) answers on through one."""
+    engine = tiny_engine(MODEL)
+    before = signal.getsignal(signal.SIGINT)
+    list(run_request(engine, [1, 2, 3], GenerationOptions(max_new_tokens=3)))
+    assert signal.getsignal(signal.SIGINT) is before
+    forward = engine.runner.forward
+
+    def interrupted(rows: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        return forward(rows)
+
+    monkeypatch.setattr(engine.runner, "forward", interrupted)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        events = list(run_request(engine, [1, 2, 3], GenerationOptions(max_new_tokens=3)))
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason == "length"
+
+
+def test_a_request_that_stops_moving_ends_with_an_error_and_is_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tiny_engine(MODEL)
+    monkeypatch.setattr(engine, "step_or_die", lambda: True)  # steps that do nothing
+    answering = run_request(engine, [1, 2, 3], GenerationOptions(max_new_tokens=3))
+    events = list(answering)
+    assert len(events) == 1 and events[0].finish_reason == "error" and "did not move" in (events[0].error or "")
+    monkeypatch.undo()
+    assert answering.request.cancelled
+    engine.step()  # the engine drops it
+    assert engine.idle and engine.blocks.free_blocks == engine.blocks.num_blocks
+
+
 def test_an_engine_that_dies_ends_the_request_with_an_error_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = tiny_engine(MODEL)
 

@@ -218,11 +218,14 @@ def test_one_row_in_consecutive_blocks_is_read_as_a_slice_with_the_gathers_value
         batch = PagedBatch.build(tables, positions.expand(rows, 1), lengths, 4, 6 * 4)
         assert (batch.span is not None) == sliced, tables
         gathered = PagedBatch(batch.write_slots, batch.read_slots, batch.key_positions)
-        read = [PagedLayerCache(*storage.clone(), b).update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1),
-                                                            positions) for b in (batch, gathered)]
+        pools = [storage.clone(), storage.clone()]  # (2, N, G, D) each: keys and values
+        read = [PagedLayerCache(*pool, b).update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), positions)
+                for pool, b in zip(pools, (batch, gathered), strict=True)]
         torch.testing.assert_close(read[0].k, read[1].k, rtol=0, atol=0)
         torch.testing.assert_close(read[0].v, read[1].v, rtol=0, atol=0)
         torch.testing.assert_close(read[0].k[:, :, 9], k[:, :, 0].expand(rows, -1, -1), rtol=0, atol=0)
+        shares = read[0].k.untyped_storage().data_ptr() == pools[0].untyped_storage().data_ptr()
+        assert shares == sliced  # the slice is a view of the pool: no copy
 
 
 def test_a_full_queue_is_refused() -> None:

@@ -43,7 +43,7 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
                    help="the dtype the KV cache stores keys and values in (default float32): under float32 compute, "
                    "bfloat16 or float16 halve its memory, so twice the positions fit (generate: the context, with "
-                   "--cache full; chat: the context, in at most 512 MiB; serve: --kv-memory); int8 (also under "
+                   "--cache full; chat: the context, taken as it fills on a CPU; serve: --kv-memory); int8 (also under "
                    "bfloat16 compute) quarters it: "
                    "generate (not with --compile) decodes it with an int8 kernel, faster at long contexts, slower at "
                    "short ones and on sliding-window layers, keeping fewer of float32's greedy choices "

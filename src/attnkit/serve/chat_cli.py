@@ -34,6 +34,7 @@ from attnkit.models.terminal import (
     tell_ending,
     write_stdout,
 )
+from attnkit.serve.scheduler import EngineError
 
 if TYPE_CHECKING:
     from attnkit.models.decoder import DecoderModel
@@ -103,22 +104,32 @@ def conversation_engine(model: DecoderModel, args: argparse.Namespace) -> Engine
 
 
 def compile_first(engine: Engine, console: Any) -> None:
-    """Wait for the engine's decoding step to compile, saying so (Ctrl-C stops waiting: eager steps answer).
-    Kept on disk under attnkit's cache folder, as ``attnkit serve`` keeps it, the next start loads it. Not in
-    the background: a compile beside eager steps slowed them about 12x on 2 cores (Python's GIL)."""
-    logging.getLogger("attnkit.serve.compile").addHandler(logging.NullHandler())  # said here, not by the log
+    """Wait for the engine's decoding step to compile, saying so (Ctrl-C stops waiting: eager steps answer while it
+    compiles on). Kept on disk under attnkit's cache folder, as ``attnkit serve`` keeps it, the next start loads
+    it. Not in the background by default: a compile beside eager steps slowed them about 12x on 2 cores (Python's
+    GIL). The compile's warnings (it failed; a step the graph could not take) are said as notes."""
+    _notes_from(logging.getLogger("attnkit.serve.compile"), console)
     note(console, "compiling the decoding step (a minute or two on a CPU the first time, seconds once kept on "
-         "disk); Ctrl-C answers eagerly meanwhile")
+         "disk); Ctrl-C answers eagerly meanwhile, slowly while it compiles")
     try:
         engine.wait_compiled()
     except KeyboardInterrupt:
-        note(console, "(answering eagerly until the compiled step is ready)")
+        note(console, "(answering eagerly while the decoding step compiles in the background)")
         return
     status = engine.compile_status()
     if status["state"] == "ready":
         note(console, f"(the compiled decoding step is ready after {status['seconds']} s)")
-    else:
-        note(console, f"(compiling the decoding step failed, answers are eager: {status.get('error')})")
+
+
+def _notes_from(log: logging.Logger, console: Any) -> None:
+    """The log's warnings as notes on the console (its info lines left out)."""
+
+    class Notes(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            note(console, f"({record.getMessage()})")
+
+    log.addHandler(Notes(logging.WARNING))
+    log.propagate = False
 
 
 class _Chat:
@@ -192,8 +203,11 @@ class _Chat:
         messages, ids = self.fitted(asked)
         try:
             answer = stream_request(self.engine, ids, self.args)
-        except ValueError as err:  # e.g. one message longer than the context: say so, keep the session
+        except (ValueError, EngineError) as err:  # one message longer than the context, a dead engine: keep going
             note(self.console, f"error: {err}")
+            if not self.engine.alive:
+                note(self.console, "(the engine stopped; a new one answers from now on, the conversation kept)")
+                self.engine = conversation_engine(self.model, self.args)
             return
         if answer.ending == "interrupted" and not answer.text:
             note(self.console, "(answer stopped by Ctrl-C before it began; your message is dropped)")

@@ -9,7 +9,7 @@ the prefix cache and prefills only the rest.
 
 Ctrl-C (SIGINT, delivered to the main thread) is held back while a step runs and raised between two steps, so
 it never leaves the engine's bookkeeping half done; leaving the iteration early (``close()``) cancels the
-request, whose blocks the next step frees.
+request and steps until the engine dropped it, its blocks free.
 """
 
 from __future__ import annotations
@@ -29,19 +29,22 @@ STUCK = 1000  # steps in a row that move the request no further before it ends w
 
 
 @contextmanager
-def sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C back for the block (in the main thread; elsewhere there is none to hold), raise it after."""
-    if threading.current_thread() is not threading.main_thread():
+def sigint_held(replay: bool = True) -> Iterator[None]:
+    """Hold Ctrl-C back for the block, then replay it (``replay``) to the handler that was there, or drop it. Only
+    in the main thread (elsewhere there is no SIGINT to hold) and where Python handles SIGINT (an ignored one stays
+    ignored)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
         yield
         return
     pressed: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: pressed.append(number))
+    signal.signal(signal.SIGINT, lambda number, frame: pressed.append(number))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if pressed:
-        raise KeyboardInterrupt
+    if pressed and replay:
+        signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt under Python's default handler
 
 
 class Answering(Iterator[Event]):
@@ -66,8 +69,8 @@ class Answering(Iterator[Event]):
             self._step()
             stuck = stuck + 1 if (self.request.computed, self.request.generated) == where else 0
             if stuck >= STUCK and not self.events:
-                self.events.append(Event("", [], "error", error=f"the engine did not move the request in {STUCK} "
-                                                                 "steps"))
+                self.close()  # cancelled: the engine holds nothing of it
+                return Event("", [], "error", error=f"the engine did not move the request in {STUCK} steps")
         event = self.events.popleft()
         self.finished = event.finish_reason is not None
         return event
@@ -77,12 +80,16 @@ class Answering(Iterator[Event]):
             self.engine.step_or_die()  # a dead engine ends the request with an "error" event
 
     def close(self) -> None:
-        """Cancel the request unless it ended; step until its last event (its blocks are then free)."""
-        if self.finished:
-            return
-        self.engine.cancel(self.request)
-        for _ in self:
-            pass
+        """Cancel the request unless it ended, and step until the engine dropped it (its blocks are then free); a
+        Ctrl-C meanwhile is dropped (the request is being stopped already)."""
+        with sigint_held(replay=False):
+            if not self.request.finished:
+                self.engine.cancel(self.request)
+            for _ in range(STUCK):
+                if self.request.finished or not self.engine.alive:
+                    break
+                self.engine.step_or_die()
+        self.finished = True
 
 
 def run_request(engine: Engine, prompt: Sequence[int], options: GenerationOptions) -> Answering:

@@ -22,9 +22,10 @@ int8 / int4 weights a batch moves the logits by tenths and a sampled request
 generally differs from the same request alone. Everything runs on the model's
 device; tokens come back to the host once per step.
 
-The engine runs in a thread of its own (:meth:`Engine.start`); other threads
-only :meth:`submit` and :meth:`cancel`. Every event of a request goes to its
-``on_event`` callback, called from the engine thread.
+The engine runs in a thread of its own (:meth:`Engine.start`), where other threads
+only :meth:`submit` and :meth:`cancel`; or one thread submits and steps it
+(:mod:`attnkit.serve.driver`, ``attnkit chat``). Every event of a request goes to
+its ``on_event`` callback, called from the thread that steps.
 """
 
 from __future__ import annotations

@@ -104,6 +104,8 @@ def warm_up(compiled: Any, model: Any, slots: Slots) -> None:
                           num_kv_heads=slots.num_kv_heads, head_dim=slots.head_dim, dtype=slots.dtype, device=device)
     ks, vs = scratch.k, scratch.v  # num_layers x (N, G, D)
     k_scales, v_scales = scratch.k_scales, scratch.v_scales  # num_layers x (N, G) for int8; empty for a float pool
+    for storage in (*ks, *vs, *k_scales, *v_scales):  # read below before anything is written: zeros, not garbage
+        storage.zero_()
     b = 2
     with torch.inference_mode():
         ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # (B, 1)
