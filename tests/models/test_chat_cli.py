@@ -332,21 +332,19 @@ def test_sigint_during_an_answer_in_a_real_process_keeps_the_session(tmp_path: P
     assert b"answer stopped by Ctrl-C" in err and b"Traceback" not in err
 
 
-# A conversation keeps its KV caches between turns: each turn prefills its new tokens only.
+# A conversation is found in the engine's prefix cache: each turn prefills only what it does not hold.
 
-SPEED = re.compile(r"^prompt: (?:(\d+) tokens|prefilled (\d+) new tokens \((\d+) cached\)|recomputed (\d+) tokens "
-                   r"\((.+)\)) in ")
+SPEED = re.compile(r"^prompt: (?:(\d+) tokens|prefilled (\d+) new tokens \((\d+) cached\)) in ")
 
 
 def _speeds(err: str) -> list[tuple[str, ...]]:
-    """Each speed line's prompt part: ("fresh", n), ("continued", new, cached) or ("recomputed", n, why)."""
+    """Each speed line's prompt part: ("fresh", n) with nothing cached, or ("continued", new, cached)."""
     found = []
     for line in err.splitlines():
         m = SPEED.match(line)
         if m is not None:
-            fresh, new, cached, again, why = m.groups()
-            found.append(("fresh", fresh) if fresh else ("continued", new, cached) if new else
-                         ("recomputed", again, why))
+            fresh, new, cached = m.groups()
+            found.append(("fresh", fresh) if fresh else ("continued", new, cached))
     return found
 
 
