@@ -114,6 +114,17 @@ def _ctrl_c_at_event(monkeypatch: pytest.MonkeyPatch, n: int) -> list[Any]:
     return made
 
 
+def _chat(tiny: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], lines: list[str],
+          new: int) -> tuple[str, str]:
+    """``attnkit chat`` over the tiny file with ``lines`` typed, ``new`` tokens an answer; its (stdout, stderr),
+    every patch undone."""
+    _typing(monkeypatch, lines)
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", str(new)]) == 0
+    out, err = capsys.readouterr()
+    monkeypatch.undo()
+    return out, err
+
+
 def _holds_nothing(engine: Any) -> bool:
     """Nothing waits or runs, and every block is free (cached prefixes may stay)."""
     return bool(engine.idle and engine.blocks.free_blocks == engine.blocks.num_blocks)
@@ -125,10 +136,7 @@ def test_ctrl_c_during_an_answer_stops_it_and_keeps_what_was_written(
     engine holds nothing of it afterwards."""
     made = _ctrl_c_at_event(monkeypatch, 4)
     prompts = _prompts(monkeypatch)
-    _typing(monkeypatch, ["hi", "the"])
-    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "8"]) == 0
-    out, err = capsys.readouterr()
-    monkeypatch.undo()
+    out, err = _chat(tiny, monkeypatch, capsys, ["hi", "the"], 8)
     full = _answer(model, [{"role": "user", "content": "hi"}], 8)
     partial = out.split("\n")[0]
     assert partial and full.startswith(partial) and partial != full  # cut after three tokens
@@ -146,10 +154,7 @@ def test_ctrl_c_before_the_first_token_drops_the_message(tiny: str, model: Any, 
     unseen, before the next answer), and the next turn answers as alone."""
     made = _ctrl_c_at_event(monkeypatch, 1)
     prompts = _prompts(monkeypatch)
-    _typing(monkeypatch, ["hi", "the"])
-    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "3"]) == 0
-    out, err = capsys.readouterr()
-    monkeypatch.undo()
+    out, err = _chat(tiny, monkeypatch, capsys, ["hi", "the"], 3)
     assert "before it began; your message is dropped" in err
     assert prompts[-1] == [{"role": "user", "content": "the"}]
     assert out.split("\n")[1] == _answer(model, prompts[-1], 3)  # the next answer, as alone
@@ -172,10 +177,7 @@ def test_after_the_engine_dies_a_new_one_answers_the_next_message(
 
     monkeypatch.setattr(Runner, "forward", fails_once)
     prompts = _prompts(monkeypatch)
-    _typing(monkeypatch, ["hi", "the"])
-    assert main(["chat", "--gguf", tiny, "--max-new-tokens", "3"]) == 0
-    out, err = capsys.readouterr()
-    monkeypatch.undo()
+    out, err = _chat(tiny, monkeypatch, capsys, ["hi", "the"], 3)
     assert "out of memory" in err and "a new one answers from now on" in err
     assert prompts[-1] == [{"role": "user", "content": "the"}]  # the failed message left no trace
     assert out.split("\n")[1] == _answer(model, prompts[-1], 3)

@@ -181,15 +181,9 @@ def stream_answer(model: DecoderModel, ids: Sequence[int], args: argparse.Namesp
 
     from attnkit.models.generation import generate_steps
     from attnkit.models.generation_options import GenerationStats
-    from attnkit.models.sink_caches import SinkSpec
     from attnkit.models.text import IncrementalDecoder
 
-    endless = SinkSpec.parse(args.cache) is not None  # sink caches: no limit on new tokens
-    room = args.max_new_tokens if endless else model.context_length - len(ids)
-    if room < 1:
-        raise ValueError(f"the prompt has {len(ids)} tokens, no room left in the model's context length "
-                         f"{model.context_length}")
-    budget = min(args.max_new_tokens, room)
+    budget = answer_budget(args, model.context_length, len(ids))
     if args.compile and model not in _COMPILING_SAID:  # the first answer's first step compiles: say so, once
         _COMPILING_SAID.add(model)
         print("compiling the decoding step (about a minute on a CPU the first time; this answer's speed line "
@@ -197,10 +191,7 @@ def stream_answer(model: DecoderModel, ids: Sequence[int], args: argparse.Namesp
     prompt = torch.tensor([list(ids)], dtype=torch.long, device=args.device)  # (1, T)
     stats, text, pieces, last = GenerationStats(), IncrementalDecoder(model.decode, ids[-1:]), [], -1
     try:
-        steps = generate_steps(model, prompt, max_new_tokens=budget, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache,
-                               repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                               presence_penalty=args.presence_penalty,
+        steps = generate_steps(model, prompt, max_new_tokens=budget, **sampling_options(args), cache=args.cache,
                                kv_dtype=None if args.kv_dtype == "float32" else args.kv_dtype,
                                compile=args.compile, stats=stats)
         with closing(steps):  # closed at once, also on Ctrl-C
@@ -211,10 +202,37 @@ def stream_answer(model: DecoderModel, ids: Sequence[int], args: argparse.Namesp
     except KeyboardInterrupt:
         ending = "interrupted"
     else:
-        stopped = last in model.stop_token_ids or stats.new_tokens < budget
-        ending = "stop" if stopped else "max-new-tokens" if budget == args.max_new_tokens else "context"
+        ending = answer_ending(last in model.stop_token_ids or stats.new_tokens < budget, budget, args)
     write_stdout("\n")
     return Answer("".join(pieces), stats, ending)
+
+
+def answer_budget(args: argparse.Namespace, context: int, prompt_tokens: int) -> int:
+    """The most new tokens an answer may take: --max-new-tokens, and what the context leaves (none with a sink
+    cache); a ValueError when the prompt leaves no room."""
+    from attnkit.models.sink_caches import SinkSpec
+
+    room = args.max_new_tokens if SinkSpec.parse(args.cache) is not None else context - prompt_tokens
+    if room < 1:
+        raise ValueError(f"the prompt has {prompt_tokens} tokens, no room left in the model's context length "
+                         f"{context}")
+    return int(min(args.max_new_tokens, room))
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling options and penalties, as :class:`attnkit.models.generation_options.GenerationOptions`
+    keywords."""
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+            "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
+            "presence_penalty": args.presence_penalty}
+
+
+def answer_ending(stopped: bool, budget: int, args: argparse.Namespace) -> str:
+    """:attr:`Answer.ending` of an answer that was not interrupted: "stop" when the model ended it (``stopped``),
+    else what cut it at ``budget`` tokens."""
+    if stopped:
+        return "stop"
+    return "max-new-tokens" if budget == args.max_new_tokens else "context"
 
 
 def write_stdout(piece: str) -> str:

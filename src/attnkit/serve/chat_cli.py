@@ -24,12 +24,15 @@ from attnkit.models.cli import add_generation_options
 from attnkit.models.runtime_options import set_threads
 from attnkit.models.terminal import (
     Answer,
+    answer_budget,
+    answer_ending,
     chat_ids,
     check_options,
     gguf_tokenizer,
     load_model,
     note,
     report_speed,
+    sampling_options,
     stderr_console,
     tell_ending,
     write_stdout,
@@ -227,18 +230,11 @@ def stream_request(engine: Engine, ids: list[int], args: argparse.Namespace) -> 
     """Stream the answer to the prompt ``ids`` to stdout, one request to ``engine`` stepped here (:mod:`.driver`);
     Ctrl-C stops it (``ending="interrupted"``)."""
     from attnkit.models.generation_options import GenerationOptions, GenerationStats
-    from attnkit.models.sink_caches import SinkSpec
     from attnkit.serve.driver import Answering, run_request
     from attnkit.serve.scheduler import Event
 
-    context = engine.model.context_length
-    room = args.max_new_tokens if SinkSpec.parse(args.cache) is not None else context - len(ids)  # a sink: no limit
-    if room < 1:
-        raise ValueError(f"the prompt has {len(ids)} tokens, no room left in the model's context length {context}")
-    budget = min(args.max_new_tokens, room)
-    options = GenerationOptions(max_new_tokens=budget, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
-                                frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+    budget = answer_budget(args, engine.model.context_length, len(ids))
+    options = GenerationOptions(max_new_tokens=budget, **sampling_options(args))
     stats, pieces, last = GenerationStats(rows=1), [], Event("", [])
     began = first = time.perf_counter()
     answering: Answering | None = None
@@ -259,16 +255,9 @@ def stream_request(engine: Engine, ids: list[int], args: argparse.Namespace) -> 
         raise ValueError(f"the answer failed: {last.error}")
     stats.prompt_tokens = len(ids) - cached
     stats.prefill_seconds, stats.decode_seconds = first - began, time.perf_counter() - first
-    return Answer("".join(pieces), stats, _ending(last.finish_reason, stats.new_tokens, budget, args), cached)
-
-
-def _ending(reason: str | None, tokens: int, budget: int, args: argparse.Namespace) -> str:
-    """An answer's :attr:`Answer.ending` from the engine's finish reason."""
-    if reason == "interrupted":
-        return "interrupted"
-    if reason != "length" or tokens < budget:
-        return "stop"  # a stop id or string
-    return "max-new-tokens" if budget == args.max_new_tokens else "context"
+    stopped = last.finish_reason != "length" or stats.new_tokens < budget  # a stop id or string
+    ending = "interrupted" if last.finish_reason == "interrupted" else answer_ending(stopped, budget, args)
+    return Answer("".join(pieces), stats, ending, cached)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -16,7 +16,7 @@ inside its graph), which serve the cache protocol of :mod:`attnkit.modules.kv_ca
 the decoder and ``MultiHeadAttention`` run unchanged. Reading gathers each row's slots into a
 contiguous (B, G, S, D) tensor, then attends with the usual kernels; one row alone whose blocks are
 consecutive (the block manager gives a sequence the block after its last when it can) is read as a slice
-of the pool instead, without a copy, in the eager step.
+of the pool instead, without a copy, in the eager step (:func:`read_rows`), an int8 pool's codes and scales too.
 
 An int8 pool (``PagedKVPool(dtype=torch.int8)``, ``Engine(kv_dtype="int8")``)
 stores what ``KVCache(dtype=torch.int8)`` stores
@@ -214,6 +214,16 @@ def gather(storage: Tensor, slots: Tensor) -> Tensor:
     return rows.view(*slots.shape, *storage.shape[1:])  # (B, S, ...)
 
 
+def read_rows(storage: Tensor, batch: PagedBatch) -> Tensor:
+    """The batch's rows (B, S, ...) of a layer's ``storage`` (N, ...): a slice, without a copy, when one row lies
+    in consecutive slots (``batch.span``: 9.6 ms a SmolLM2 step at 3,900 positions, BENCHMARKS.md round eighteen),
+    else :func:`gather`."""
+    if batch.span is None:
+        return gather(storage, batch.read_slots)
+    start, s = batch.span
+    return storage[start : start + s][None]  # (S, ...) -> (1, S, ...)
+
+
 class PagedLayerCache:
     """One layer's storage (N, G, D) seen through one forward's :class:`PagedBatch`: the cache protocol.
 
@@ -247,13 +257,8 @@ class PagedLayerCache:
         # guard on B inside a compiled step
         self.keys.index_put_((batch.write_slots,), k.transpose(1, 2).to(self.keys.dtype))
         self.values.index_put_((batch.write_slots,), v.transpose(1, 2).to(self.values.dtype))
-        if batch.span is not None:  # one row in consecutive slots: a slice, no copy (9.6 ms a step at 3,900 positions)
-            start, s = batch.span
-            k_all = self.keys[start : start + s][None].transpose(1, 2)  # (S, G, D) -> (1, G, S, D)
-            v_all = self.values[start : start + s][None].transpose(1, 2)
-            return CachedKeys(k_all, v_all, batch.key_positions)
-        k_all = gather(self.keys, batch.read_slots).transpose(1, 2)  # (B, S, G, D) -> (B, G, S, D)
-        v_all = gather(self.values, batch.read_slots).transpose(1, 2)
+        k_all = read_rows(self.keys, batch).transpose(1, 2)  # (B, S, G, D) -> (B, G, S, D)
+        v_all = read_rows(self.values, batch).transpose(1, 2)
         return CachedKeys(k_all, v_all, batch.key_positions)
 
     write = update  # nothing to check: the engine built the batch
@@ -282,10 +287,10 @@ class PagedInt8LayerCache(PagedLayerCache):
         self.values.index_put_((batch.write_slots,), codes[1])
         self.key_scales.index_put_((batch.write_slots,), scales[0])  # (B, T, G) at slots (B, T)
         self.value_scales.index_put_((batch.write_slots,), scales[1])
-        k_scale = gather(self.key_scales, batch.read_slots).float()[..., None]  # (B, S, G) -> (B, S, G, 1)
-        v_scale = gather(self.value_scales, batch.read_slots).float()[..., None]
-        k_all = (gather(self.keys, batch.read_slots).float() * k_scale).to(k.dtype)  # (B, S, G, D)
-        v_all = (gather(self.values, batch.read_slots).float() * v_scale).to(v.dtype)
+        k_scale = read_rows(self.key_scales, batch).float()[..., None]  # (B, S, G) -> (B, S, G, 1)
+        v_scale = read_rows(self.value_scales, batch).float()[..., None]
+        k_all = (read_rows(self.keys, batch).float() * k_scale).to(k.dtype)  # (B, S, G, D)
+        v_all = (read_rows(self.values, batch).float() * v_scale).to(v.dtype)
         return CachedKeys(k_all.transpose(1, 2), v_all.transpose(1, 2), batch.key_positions)  # (B, G, S, D)
 
     write = update  # nothing to check: the engine built the batch
