@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from attnkit._optional import require
 
 SYSTEM = ("You are the friendly assistant of the municipal library of a small town. You answer questions about "
@@ -60,9 +62,13 @@ class ServerProcess:
         raise RuntimeError(f"{command[0]} did not answer within {timeout} s: {self.log()[-2000:]}")
 
     @classmethod
-    def attnkit(cls, *options: str, log: Path, threads: int = 2) -> ServerProcess:
+    def attnkit(cls, *options: str, log: Path, threads: int | None = None) -> ServerProcess:
         """``attnkit serve`` with ``options``; with the eager decode step unless they say ``--compile`` (a background
-        compile would take a core from what is measured or tested)."""
+        compile would take a core from what is measured or tested). ``threads`` defaults to this process's PyTorch
+        threads: a server with more threads than its share of the cores waits on them (OpenMP's barrier) whenever
+        another process holds a core; under the test suite's two workers of one thread each, that made the HTTP
+        tests 3-10x slower."""
+        threads = torch.get_num_threads() if threads is None else threads
         port = free_port()
         eager = [] if "--compile" in options else ["--no-compile"]
         return cls([sys.executable, "-m", "attnkit.cli", "serve", "--port", str(port), "--threads", str(threads),
