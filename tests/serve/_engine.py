@@ -9,8 +9,7 @@ import torch
 
 from attnkit.models import LlamaConfig, LlamaModel
 from attnkit.models.generation_options import GenerationOptions
-from attnkit.serve import Engine
-from attnkit.serve.engine import Event
+from attnkit.serve import Engine, Event
 
 
 def tiny_model() -> LlamaModel:

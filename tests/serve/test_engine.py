@@ -10,8 +10,7 @@ import torch
 
 from attnkit.models import LlamaModel
 from attnkit.models.generation_options import GenerationOptions
-from attnkit.serve import Engine, PagedBatch, PagedKVPool
-from attnkit.serve.engine import Event
+from attnkit.serve import Engine, Event, PagedBatch, PagedKVPool
 from tests.serve._engine import Words, decode_ids, run_requests, tiny_engine, tiny_model
 
 

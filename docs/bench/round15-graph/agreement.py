@@ -16,7 +16,7 @@ import torch
 from attnkit.models import load_smollm2
 from attnkit.models.generation_options import GenerationOptions
 from attnkit.serve import Engine
-from attnkit.serve.runner import Choice
+from attnkit.serve.events import Choice
 
 
 def answers(engine: Engine, prompts: list[list[int]]) -> list[list[Choice]]:

@@ -5,6 +5,7 @@
 - :mod:`attnkit.serve.scheduler`: which requests run in a step (admission, preemption, the prefill budget);
 - :mod:`attnkit.serve.runner`: a step's rows through the model, and each request's next token;
 - :mod:`attnkit.serve.engine`: the engine thread, events, cancellation and metrics;
+- :mod:`attnkit.serve.events`: what the engine hands back (each request's events) and the errors it raises;
 - :mod:`attnkit.serve.graph`: the engine's decode step compiled in the background, kept on disk;
 - :mod:`attnkit.serve.driver`: one request's events read in the caller's thread (``attnkit chat``'s loop);
 - :mod:`attnkit.serve.chat_cli`: ``attnkit chat``, a terminal conversation over the engine;
@@ -20,7 +21,8 @@ A request's options are :class:`attnkit.models.generation_options.GenerationOpti
 """
 
 from .blocks import BlockManager
-from .engine import Engine, EngineError, Event, QueueFullError
+from .engine import Engine
+from .events import EngineError, Event, QueueFullError
 from .paged import PagedBatch, PagedKVPool
 from .scheduler import Request
 

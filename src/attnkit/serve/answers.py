@@ -19,8 +19,8 @@ from typing import Any
 
 from .checks import APIError
 from .engine import Engine, Event
+from .events import Choice
 from .parsing import Parsed, Server
-from .runner import Choice
 from .tools import CallStream, call_id
 
 

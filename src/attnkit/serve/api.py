@@ -46,8 +46,8 @@ from .answers import (
     stream_events,
 )
 from .checks import APIError, no_such_model, route_error
+from .events import Choice
 from .parsing import Parsed, Server
-from .runner import Choice
 from .tools import CallStream
 
 __all__ = ["ACCESS_LOG", "MAX_BODY", "APIError", "AccessLog", "Parsed", "Server", "create_app"]

@@ -37,7 +37,7 @@ from attnkit.models.terminal import (
     tell_ending,
     write_stdout,
 )
-from attnkit.serve.scheduler import EngineError
+from attnkit.serve.events import EngineError, Event
 
 if TYPE_CHECKING:
     from attnkit.models.decoder import DecoderModel
@@ -231,7 +231,6 @@ def stream_request(engine: Engine, ids: list[int], args: argparse.Namespace) -> 
     Ctrl-C stops it (``ending="interrupted"``)."""
     from attnkit.models.generation_options import GenerationOptions, GenerationStats
     from attnkit.serve.driver import Answering, run_request
-    from attnkit.serve.scheduler import Event
 
     budget = answer_budget(args, engine.model.context_length, len(ids))
     options = GenerationOptions(max_new_tokens=budget, **sampling_options(args))

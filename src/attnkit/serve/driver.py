@@ -23,7 +23,8 @@ from contextlib import contextmanager
 from attnkit.models.generation_options import GenerationOptions
 
 from .engine import Engine
-from .scheduler import Event, Request
+from .events import Event
+from .scheduler import Request
 
 STUCK = 1000  # steps in a row that move the request no further before it ends with an error, not a hang
 

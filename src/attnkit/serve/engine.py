@@ -1,31 +1,24 @@
 """Continuous batching: requests wait, run and finish; every step is one batched pass over what runs.
 
-The engine ties three parts together, each in its own file: the
-:class:`~attnkit.serve.scheduler.Scheduler` (which requests run this step:
-admission, preemption, prefix reuse, the prefill budget), the
-:class:`~attnkit.serve.runner.Runner` (the step's rows through the model over
-the paged pool, and each request's next token) and, with ``compile=True``,
-the :class:`~attnkit.serve.graph.CompiledDecode` (the all-decode step compiled
-in the background, run once ready). This module holds the thread, the events
-each request's callback receives, cancellation and metrics.
+The engine ties three parts together, each in its own file: the :class:`~attnkit.serve.scheduler.Scheduler`
+(which requests run this step: admission, preemption, prefix reuse, the prefill budget), the
+:class:`~attnkit.serve.runner.Runner` (the step's rows through the model over the paged pool, and each request's
+next token) and, with ``compile=True``, the :class:`~attnkit.serve.graph.CompiledDecode` (the all-decode step
+compiled in the background, run once ready). This module holds the thread, the events each request's callback
+receives (:mod:`.events`), cancellation and metrics.
 
-Each :meth:`Engine.step` drops cancelled requests, asks the scheduler for the
-step's rows, runs them in one forward per length
-(:func:`~attnkit.serve.runner.batches`), samples the requests whose known
-tokens are all in the pool, and ends a request on a stop id, a stop string
-(:class:`~attnkit.models.text.TextStream`, as ``stream()`` does),
-``max_new_tokens``, the context, or a complete constraint
-(:mod:`attnkit.serve.grammar`). Options are :class:`GenerationOptions`, as
-``generate()`` takes them: the same defaults (greedy), the same checks. Tokens
-equal ``generate`` alone up to rounding with float32 / float16 weights; with
-int8 / int4 weights a batch moves the logits by tenths and a sampled request
-generally differs from the same request alone. Everything runs on the model's
-device; tokens come back to the host once per step.
+Each :meth:`Engine.step` drops cancelled requests, asks the scheduler for the step's rows, runs them in one
+forward per length (:func:`~attnkit.serve.runner.batches`), samples the requests whose known tokens are all in
+the pool, and ends a request on a stop id, a stop string (:class:`~attnkit.models.text.TextStream`, as
+``stream()`` does), ``max_new_tokens``, the context, or a complete constraint (:mod:`attnkit.serve.grammar`).
+Options are :class:`GenerationOptions`, as ``generate()`` takes them: the same defaults (greedy), the same
+checks. Tokens equal ``generate`` alone up to rounding with float32 / float16 weights; with int8 / int4 weights
+a batch moves the logits by tenths and a sampled request generally differs from the same request alone.
+Everything runs on the model's device; tokens come back to the host once per step.
 
-The engine runs in a thread of its own (:meth:`Engine.start`), where other threads
-only :meth:`submit` and :meth:`cancel`; or one thread submits and steps it
-(:mod:`attnkit.serve.driver`, ``attnkit chat``). Every event of a request goes to
-its ``on_event`` callback, called from the thread that steps.
+The engine runs in a thread of its own (:meth:`Engine.start`), where other threads only :meth:`submit` and
+:meth:`cancel`; or one thread submits and steps it (:mod:`attnkit.serve.driver`, ``attnkit chat``). Every event
+of a request goes to its ``on_event`` callback, called from the thread that steps.
 """
 
 from __future__ import annotations
@@ -47,38 +40,36 @@ from attnkit.models.text import TextStream
 from .blocks import BlockManager
 from .compile_cache import CompileCache
 from .door import check_request, check_window
+from .events import Choice, ConstraintError, EngineError, Event, QueueFullError
 from .grammar import Constraint
 from .graph import compile_in_background
 from .paged import PagedKVPool
-from .runner import Choice, Runner, batches
-from .scheduler import ConstraintError, EngineError, Event, QueueFullError, Request, Row, Scheduler
+from .runner import Runner, batches
+from .scheduler import Request, Row, Scheduler
 
 
 class Engine:
     """Serve a decoder model to many requests at once over a paged KV cache.
 
     Args:
-        model: an attnkit decoder (``LlamaModel``): ``step(ids, positions, caches)``,
-            ``config``, ``vocab_size``, ``context_length``, ``stop_token_ids``.
+        model: an attnkit decoder (``LlamaModel``): ``step(ids, positions, caches)``, ``config``, ``vocab_size``,
+            ``context_length``, ``stop_token_ids``.
         decode: token ids -> text (the tokenizer's decode).
         kv_memory_mib: memory for keys and values of every layer.
         block_size: positions per KV block.
         max_batch: most requests running at once.
         token_budget: most prompt tokens prefilled per step.
         max_waiting: most requests waiting; more are refused (:class:`QueueFullError`).
-        kv_dtype: what the pool stores keys and values in: None (the model's
-            dtype), bfloat16 / float16 under a float32 model (twice the blocks),
-            or int8 (codes and bfloat16 scales, as ``generate(kv_dtype="int8")``)
+        kv_dtype: what the pool stores keys and values in: None (the model's dtype), bfloat16 / float16 under a
+            float32 model (twice the blocks), or int8 (codes and bfloat16 scales, as ``generate(kv_dtype="int8")``)
             under a float32 or bfloat16 model (4D / (D + 2) times float32's blocks).
-        compile: compile the all-decode step (:mod:`attnkit.serve.graph`) in a
-            background thread; the eager step serves until it is ready
-            (:meth:`compile_status`, :meth:`wait_compiled`), and on if it fails.
-        compile_cache: where the compiled step is kept (default: under
-            attnkit's cache folder, :meth:`CompileCache.for_model`).
+        compile: compile the all-decode step (:mod:`attnkit.serve.graph`) in a background thread; the eager step
+            serves until it is ready (:meth:`compile_status`, :meth:`wait_compiled`), and on if it fails.
+        compile_cache: where the compiled step is kept (default: under attnkit's cache folder,
+            :meth:`CompileCache.for_model`).
         device: the model's device (None, the default); another is refused.
-        cache: "full" (default: every position, up to the model's context)
-            or "sink:SINKS,WINDOW[,CHUNK]": each request keeps generate's sink
-            window, of any length (:mod:`.scheduler`).
+        cache: "full" (default: every position, up to the model's context) or "sink:SINKS,WINDOW[,CHUNK]": each
+            request keeps generate's sink window, of any length (:mod:`.scheduler`).
     """
 
     def __init__(self, model: Any, decode: Callable[[list[int]], str], *, kv_memory_mib: float = 256,

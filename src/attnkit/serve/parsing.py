@@ -43,7 +43,8 @@ from .checks import (
     stops,
     too_long,
 )
-from .engine import Engine, EngineError, Event, QueueFullError
+from .engine import Engine
+from .events import EngineError, Event, QueueFullError
 from .grammar import JSONSchemas
 from .tools import ToolSyntax, template_syntax
 

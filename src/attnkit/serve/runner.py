@@ -29,9 +29,10 @@ from torch import Tensor
 
 from attnkit.modules.sink_window import SinkWindow
 
+from .events import Choice
 from .graph import CompiledDecode
 from .paged import PagedBatch, PagedKVPool, layer_caches, slots
-from .scheduler import Choice, Request, Row, Shift
+from .scheduler import Request, Row, Shift
 
 
 def batches(rows: list[Row]) -> list[list[Row]]:

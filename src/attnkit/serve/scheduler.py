@@ -1,28 +1,19 @@
 """Which requests run in a step: admission, preemption, prefix reuse and the prefill budget.
 
-A :class:`Request` waits, runs (holding KV blocks) and finishes. Each step
-the :class:`Scheduler`
+A :class:`Request` waits, runs (holding KV blocks) and finishes. Each step the :class:`Scheduler`
 
-1. admits waiting requests while there is room (``max_batch`` running, KV
-   blocks for the prompt), reusing cached prefixes
-   (:class:`attnkit.serve.blocks.BlockManager`);
-2. finds each decoding request a slot for its next token; when the pool is
-   full, the newest running request is preempted (its blocks freed, its
-   tokens recomputed when it runs again);
-3. hands the runner its rows: each decoding request's last token, and
-   prompt chunks of prefilling requests within ``token_budget`` tokens.
+1. admits waiting requests while there is room (``max_batch`` running, KV blocks for the prompt), reusing
+   cached prefixes (:class:`attnkit.serve.blocks.BlockManager`);
+2. finds each decoding request a slot for its next token; when the pool is full, the newest running request
+   is preempted (its blocks freed, its tokens recomputed when it runs again);
+3. hands the runner its rows: each decoding request's last token, and prompt chunks of prefilling requests
+   within ``token_budget`` tokens.
 
-With a sink window (``Engine(cache="sink:4,1020")``) a request keeps its first
-tokens and a recent window as ``generate(cache=...)`` does: it is fed in
-``generate``'s pieces, and a row that would pass the window first evicts the
-oldest window positions (a :class:`Shift`, which the runner carries out), so
-it holds at most the window's blocks, whatever its length. Until its first
-eviction a request shares cached prefixes as any other (``n`` answers prefill
-a prompt that fits the window once); at it, the blocks it shares are copied
-first and the others leave the prefix cache (evictions rewrite blocks in
-place, and what it writes afterwards is no prefix of its tokens).
-
-No tensors and no threads here: the engine calls it from its one thread.
+With a sink window (``Engine(cache="sink:4,1020")``) a request keeps its first tokens and a recent window as
+``generate(cache=...)`` does: fed in ``generate``'s pieces, a row that would pass the window first evicts the
+oldest window positions (a :class:`Shift`, which the runner carries out). Until then it shares cached prefixes
+as any other; at its first eviction the blocks it shares are copied, and the others leave the prefix cache
+(evictions rewrite blocks in place). No tensors and no threads here: the engine calls it.
 """
 
 from __future__ import annotations
@@ -37,45 +28,12 @@ from attnkit.models.generation_options import GenerationOptions
 from attnkit.models.text import TextStream
 
 from .blocks import BlockManager
+from .events import ConstraintError
 
 if TYPE_CHECKING:
     from attnkit.modules.sink_window import SinkWindow
 
     from .grammar import Constraint
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A request's next token, with its log-probability and the ``top`` most likely tokens' when asked for."""
-
-    token: int
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
-
-
-class EngineError(RuntimeError):
-    """The engine cannot take a request (full queue, dead engine)."""
-
-
-class QueueFullError(EngineError):
-    """Too many requests wait already: retry later."""
-
-
-@dataclass
-class Event:
-    """What a request produced in one step: new text, the tokens sampled (a stop id included), and with
-    ``logprobs`` asked for, the :class:`~attnkit.serve.runner.Choice` of each token of the text."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
-    error: str | None = None
-    logprobs: list[Choice] = field(default_factory=list)
-
-
-
-class ConstraintError(ValueError):
-    """A request's constraint (its grammar) could not take the token sampled under it."""
 
 
 @dataclass(eq=False)
