@@ -195,3 +195,24 @@ def test_bench_batch_and_repeats_make_a_short_serve_run(monkeypatch: pytest.Monk
     command.ROW_SUITES["serve"](Options(suite="serve", batch=[1], repeats=2, threads=1))
     command.ROW_SUITES["serve"](Options(suite="serve"))
     assert calls == [(([1],), {"threads": 1, "repeats": 2}), ((), {"threads": 2, "repeats": 5})]
+
+
+def test_the_launcher_gives_the_server_this_process_threads_unless_told(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """Bug: the launcher always started `attnkit serve --threads 2`; under the suite's one-thread workers such a
+    server waited on its second thread whenever the other worker held a core (the HTTP tests 3-10x slower)."""
+    import torch
+
+    from attnkit.bench.serve_client import ServerProcess
+
+    commands: list[list[str]] = []
+    monkeypatch.setattr(ServerProcess, "__init__", lambda self, command, **kw: commands.append(list(command)))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        ServerProcess.attnkit("--kv-memory", "8", log=tmp_path / "a.log")
+        ServerProcess.attnkit("--kv-memory", "8", log=tmp_path / "b.log", threads=1)
+    finally:
+        torch.set_num_threads(before)
+    threads = [command[command.index("--threads") + 1] for command in commands]
+    assert threads == ["3", "1"]
