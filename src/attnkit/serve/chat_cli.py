@@ -109,8 +109,9 @@ def conversation_engine(model: DecoderModel, args: argparse.Namespace) -> Engine
 def compile_first(engine: Engine, console: Any) -> None:
     """Wait for the engine's decoding step to compile, saying so (Ctrl-C stops waiting: eager steps answer while it
     compiles on). Kept on disk under attnkit's cache folder, as ``attnkit serve`` keeps it, the next start loads
-    it. Not in the background by default: a compile beside eager steps slowed them about 12x on 2 cores (Python's
-    GIL). The compile's warnings (it failed; a step the graph could not take) are said as notes."""
+    it. Not in the background by default: a compile beside eager steps slows them severely on a CPU (Python's
+    GIL; BENCHMARKS.md, round eighteen). The compile's warnings (it failed; a step the graph could not take) are
+    said as notes."""
     _notes_from(logging.getLogger("attnkit.serve.compile"), console)
     note(console, "compiling the decoding step (a minute or two on a CPU the first time, seconds once kept on "
          "disk); Ctrl-C answers eagerly meanwhile, slowly while it compiles")

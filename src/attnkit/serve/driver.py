@@ -2,10 +2,10 @@
 
 The server runs the engine in a thread of its own (:meth:`Engine.start`) for many clients. A terminal
 conversation has one request at a time and waits for it, so it steps the engine itself: :func:`run_request`
-submits a prompt and yields its :class:`Event` s as the steps produce them (the engine's own thread would
-cost about 12% of the decode rate here: BENCHMARKS.md, round eighteen). The steps are the server's (the same
-scheduler, runner and compiled graph): a later prompt that starts with an earlier one's tokens finds them in
-the prefix cache and prefills only the rest.
+submits a prompt and yields its :class:`Event` s as the steps produce them (the engine in its own thread
+measured slower, by about this VM's noise: BENCHMARKS.md, rounds eighteen and nineteen). The steps are the
+server's (the same scheduler, runner and compiled graph): a later prompt that starts with an earlier one's
+tokens finds them in the prefix cache and prefills only the rest.
 
 Ctrl-C (SIGINT, delivered to the main thread) is held back while a step runs and raised between two steps, so
 it never leaves the engine's bookkeeping half done; leaving the iteration early (``close()``) cancels the

@@ -216,8 +216,7 @@ def gather(storage: Tensor, slots: Tensor) -> Tensor:
 
 def read_rows(storage: Tensor, batch: PagedBatch) -> Tensor:
     """The batch's rows (B, S, ...) of a layer's ``storage`` (N, ...): a slice, without a copy, when one row lies
-    in consecutive slots (``batch.span``: 9.6 ms a SmolLM2 step at 3,900 positions, BENCHMARKS.md round eighteen),
-    else :func:`gather`."""
+    in consecutive slots (``batch.span``; BENCHMARKS.md, round eighteen), else :func:`gather`."""
     if batch.span is None:
         return gather(storage, batch.read_slots)
     start, s = batch.span
