@@ -2,30 +2,27 @@
 
 The engine ties three parts together, each in its own file: the :class:`~attnkit.serve.scheduler.Scheduler`
 (which requests run this step: admission, preemption, prefix reuse, the prefill budget), the
-:class:`~attnkit.serve.runner.Runner` (the step's rows through the model over the paged pool, and each request's
-next token) and, with ``compile=True``, the :class:`~attnkit.serve.graph.CompiledDecode` (the all-decode step
-compiled in the background, run once ready). This module holds the thread, the events each request's callback
-receives (:mod:`.events`), cancellation and metrics.
+:class:`~attnkit.serve.runner.Runner` (the step's rows through the model over the paged pool, each request's next
+token) and, with ``compile=True``, the :class:`~attnkit.serve.graph.CompiledDecode` (the all-decode step compiled
+in the background, run once ready). This module holds the thread, the events (:mod:`.events`), cancellation and
+metrics. Each :meth:`Engine.step` drops cancelled requests, asks the scheduler for the step's rows, runs them in one
+forward per length (:func:`~attnkit.serve.runner.batches`) and ends a request on a stop id, a stop string
+(:class:`~attnkit.models.text.TextStream`, as ``stream()``), ``max_new_tokens``, the context, or a complete
+constraint (:mod:`attnkit.serve.grammar`).
 
-Each :meth:`Engine.step` drops cancelled requests, asks the scheduler for the step's rows, runs them in one
-forward per length (:func:`~attnkit.serve.runner.batches`), samples the requests whose known tokens are all in
-the pool, and ends a request on a stop id, a stop string (:class:`~attnkit.models.text.TextStream`, as
-``stream()`` does), ``max_new_tokens``, the context, or a complete constraint (:mod:`attnkit.serve.grammar`).
-Options are :class:`GenerationOptions`, as ``generate()`` takes them: the same defaults (greedy), the same
-checks. Tokens equal ``generate`` alone up to rounding with float32 / float16 weights; with int8 / int4 weights
-a batch moves the logits by tenths and a sampled request generally differs from the same request alone.
-Everything runs on the model's device; tokens come back to the host once per step.
-
-The engine runs in a thread of its own (:meth:`Engine.start`), where other threads only :meth:`submit` and
-:meth:`cancel`; or one thread submits and steps it (:mod:`attnkit.serve.driver`, ``attnkit chat``). Every event
-of a request goes to its ``on_event`` callback, called from the thread that steps.
+Options are :class:`GenerationOptions`, as ``generate()`` takes them (the same defaults, greedy, and checks).
+Tokens equal ``generate`` alone up to rounding with float32 / float16 weights; with int8 / int4 weights a batch
+moves the logits by tenths and a sampled request generally differs from the same request alone. Everything runs
+on the model's device; tokens come back to the host once per step. The engine runs in a thread of its own
+(:meth:`Engine.start`; other threads only :meth:`submit` and :meth:`cancel`), or one thread submits and steps it
+(:mod:`attnkit.serve.driver`, ``attnkit chat``); a request's events go to its ``on_event``, called from the thread
+that steps.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from math import inf
@@ -40,7 +37,7 @@ from attnkit.models.text import TextStream
 from .blocks import BlockManager
 from .compile_cache import CompileCache
 from .door import check_request, check_window
-from .events import Choice, ConstraintError, EngineError, Event, QueueFullError
+from .events import Choice, ConstraintError, EngineError, Event, QueueFullError, RecentRate
 from .grammar import Constraint
 from .graph import compile_in_background
 from .paged import PagedKVPool
@@ -60,13 +57,11 @@ class Engine:
         max_batch: most requests running at once.
         token_budget: most prompt tokens prefilled per step.
         max_waiting: most requests waiting; more are refused (:class:`QueueFullError`).
-        kv_dtype: what the pool stores keys and values in: None (the model's dtype), bfloat16 / float16 under a
-            float32 model (twice the blocks), or int8 (codes and bfloat16 scales, as ``generate(kv_dtype="int8")``)
-            under a float32 or bfloat16 model (4D / (D + 2) times float32's blocks).
+        kv_dtype: what the pool stores: None (the model's dtype), bfloat16 / float16 under a float32 model, or
+            int8 (codes and bfloat16 scales, as ``generate(kv_dtype="int8")``) under a float32 or bfloat16 one.
         compile: compile the all-decode step (:mod:`attnkit.serve.graph`) in a background thread; the eager step
             serves until it is ready (:meth:`compile_status`, :meth:`wait_compiled`), and on if it fails.
-        compile_cache: where the compiled step is kept (default: under attnkit's cache folder,
-            :meth:`CompileCache.for_model`).
+        compile_cache: where the compiled step is kept (default :meth:`CompileCache.for_model`).
         device: the model's device (None, the default); another is refused.
         cache: "full" (default: every position, up to the model's context) or "sink:SINKS,WINDOW[,CHUNK]": each
             request keeps generate's sink window, of any length (:mod:`.scheduler`).
@@ -88,13 +83,11 @@ class Engine:
         self.graph = compile_in_background(model, self.pool.dtype, compile_cache) if compile else None
         self.runner = Runner(model, self.pool, self.graph, windows)
         self._inbox: deque[Request] = deque()  # submitted, not yet seen by the engine thread
-        self._ids = itertools.count()
-        self._lock = threading.Condition()
+        self._ids, self._lock, self._stop = itertools.count(), threading.Condition(), False
         self._thread: threading.Thread | None = None
-        self._stop = False
         self.error: BaseException | None = None
         self.stats = {"requests_total": 0, "generated_tokens_total": 0}
-        self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) of recent steps
+        self._rate = RecentRate()
 
     @property
     def capacity(self) -> int:
@@ -151,8 +144,7 @@ class Engine:
             self._thread.join(timeout=10)
 
     def compile_status(self) -> dict[str, Any]:
-        """{"state": "off"} without ``compile``, else :meth:`attnkit.serve.graph.CompiledDecode.status`
-        ("compiling", "ready" or "failed", with its seconds, error and the steps it ran)."""
+        """{"state": "off"} without ``compile``, else :meth:`attnkit.serve.graph.CompiledDecode.status`."""
         return {"state": "off"} if self.graph is None else self.graph.status()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
@@ -169,14 +161,14 @@ class Engine:
         return self.error is None and (self._thread is None or self._thread.is_alive())
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stop and self.idle:
-                    self._lock.wait()
-                if self._stop:
-                    return
-            if not self.step_or_die():
-                return
+        while self._work_waits() and self.step_or_die():
+            pass
+
+    def _work_waits(self) -> bool:
+        """Wait until a request waits or runs (True) or :meth:`shutdown` (False)."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._stop or not self.idle)
+            return not self._stop
 
     def step_or_die(self) -> bool:
         """:meth:`step`; on an exception the engine is dead (:attr:`error`), every request ends with an "error"
@@ -210,19 +202,16 @@ class Engine:
         for shift in plan.shifts:
             self.runner.evict(shift)
         produced = sum(self._run(rows) for rows in batches(plan.decoding + plan.prefill))
-        self._rate.append((time.monotonic(), produced))
+        self._rate.add(produced)
 
     def _run(self, rows: list[Row]) -> int:
-        """One forward over ``rows``; sample each request whose known tokens are now all in the pool."""
-        logits = self.runner.forward(rows)  # (B, V)
+        """One forward over ``rows`` and the next token of each request whose known tokens are then all in the
+        pool (:meth:`Runner.run`)."""
+        chosen = self.runner.run(rows)
         self.scheduler.written(rows)
-        ready = [b for b, row in enumerate(rows) if row.request.computed == len(row.request.tokens)]
-        if not ready:
-            return 0
-        requests = [rows[b].request for b in ready]
-        for request, choice in zip(requests, self.runner.sample(requests, logits[ready]), strict=True):
+        for request, choice in chosen:
             self._accept(request, choice)
-        return len(requests)
+        return len(chosen)
 
     def _accept(self, request: Request, choice: Choice) -> None:
         self.stats["generated_tokens_total"] += 1
@@ -255,11 +244,7 @@ class Engine:
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges, Prometheus-style names without the prefix."""
-        now = time.monotonic()
-        recent = [(t, n) for t, n in self._rate if now - t < 10]
-        span = now - recent[0][0] if len(recent) > 1 else 0.0
-        rate = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
         with self._lock:
             gauges = self.scheduler.gauges()
             gauges["requests_waiting"] += len(self._inbox)
-            return {**gauges, "tokens_per_second": rate, **self.stats}
+            return {**gauges, "tokens_per_second": self._rate.per_second(), **self.stats}

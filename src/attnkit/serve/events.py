@@ -1,12 +1,15 @@
 """What the engine hands back: each request's :class:`Event` (text, tokens, finish reason, and the
-:class:`Choice` of each token when logprobs are asked for), and the errors it raises.
+:class:`Choice` of each token when logprobs are asked for), the errors it raises, and the recent token rate
+its metrics report (:class:`RecentRate`).
 
-Plain data, no behaviour: the scheduler, runner and engine make them; the driver, the HTTP server and the
-chat read them.
+Plain data, no behaviour beyond the rate's arithmetic: the scheduler, runner and engine make them; the driver,
+the HTTP server and the chat read them.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -41,3 +44,22 @@ class Event:
 
 class ConstraintError(ValueError):
     """A request's constraint (its grammar) could not take the token sampled under it."""
+
+
+class RecentRate:
+    """Tokens per second over the steps of the last ``seconds`` (at most the last 64 steps)."""
+
+    def __init__(self, seconds: float = 10.0) -> None:
+        self.seconds = seconds
+        self.steps: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) of recent steps
+
+    def add(self, tokens: int) -> None:
+        """A step that produced ``tokens`` ended now."""
+        self.steps.append((time.monotonic(), tokens))
+
+    def per_second(self) -> float:
+        """The tokens of the recent steps after the first, over the time since it; 0.0 with fewer than two."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self.steps if now - t < self.seconds]
+        span = now - recent[0][0] if len(recent) > 1 else 0.0
+        return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0

@@ -57,6 +57,16 @@ class Runner:
         # each penalised request's History, dropped with the request (its last reference gone)
         self.histories: weakref.WeakKeyDictionary[Request, History] = weakref.WeakKeyDictionary()
 
+    def run(self, rows: list[Row]) -> list[tuple[Request, Choice]]:
+        """One forward over ``rows``, then the next token of each request whose known tokens the forward
+        finished writing (a prompt's last chunk, or a decoding token); the rest of a prompt samples nothing."""
+        logits = self.forward(rows)  # (B, V)
+        ready = [b for b, row in enumerate(rows) if row.request.computed + row.length == len(row.request.tokens)]
+        if not ready:
+            return []
+        requests = [rows[b].request for b in ready]
+        return list(zip(requests, self.sample(requests, logits[ready]), strict=True))
+
     def forward(self, rows: list[Row]) -> Tensor:
         """Feed each row's tokens (right-aligned, padded to one width); logits (B, V) of each row's last token."""
         width = max(row.length for row in rows)
