@@ -65,7 +65,8 @@ class Runner:
         if not ready:
             return []
         requests = [rows[b].request for b in ready]
-        return list(zip(requests, self.sample(requests, logits[ready]), strict=True))
+        logits = logits if len(ready) == len(rows) else logits[ready]  # (B, V) -> (n, V): no copy when all are
+        return list(zip(requests, self.sample(requests, logits), strict=True))
 
     def forward(self, rows: list[Row]) -> Tensor:
         """Feed each row's tokens (right-aligned, padded to one width); logits (B, V) of each row's last token."""
@@ -122,7 +123,7 @@ class Runner:
         chosen: list[Choice] = [Choice(0)] * len(requests)
         for rows in groups.values():
             options = requests[rows[0]].options
-            scores = logits[rows]  # (n, V)
+            scores = logits if len(rows) == len(requests) else logits[rows]  # (B, V) -> (n, V)
             if options.penalties.active:
                 counts, seen = _history([requests[b] for b in rows], self.histories, scores.shape[-1],
                                         scores.device)
