@@ -344,3 +344,14 @@ def test_prompt_chunks_of_one_length_share_a_forward_and_answer_as_alone() -> No
     got = run_requests(engine, prompts, [p] * len(prompts))
     assert sorted(calls[:2]) == [(1, 5), (3, 7)]  # the first step: two forwards, not four
     assert [tokens for tokens, _ in got] == [_alone(model, prompt, p) for prompt in prompts]
+
+
+def test_metrics_count_the_tokens_and_report_a_rate_once_steps_produced_them() -> None:
+    engine = tiny_engine(tiny_model())
+    before = engine.metrics()
+    assert (before["generated_tokens_total"], before["tokens_per_second"]) == (0, 0.0)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    run_requests(engine, prompts, [GenerationOptions(max_new_tokens=8)] * 2)
+    after = engine.metrics()
+    assert after["generated_tokens_total"] == 16 and after["requests_total"] == 2
+    assert after["tokens_per_second"] > 0  # the recent steps' tokens over their time

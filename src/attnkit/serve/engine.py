@@ -12,17 +12,17 @@ constraint (:mod:`attnkit.serve.grammar`).
 
 Options are :class:`GenerationOptions`, as ``generate()`` takes them (the same defaults, greedy, and checks).
 Tokens equal ``generate`` alone up to rounding with float32 / float16 weights; with int8 / int4 weights a batch
-moves the logits by tenths and a sampled request generally differs from the same request alone. Everything runs
-on the model's device; tokens come back to the host once per step. The engine runs in a thread of its own
+moves the logits by tenths and a sampled request generally differs from the same request alone. All runs on the
+model's device; tokens come back to the host once per step. The engine runs in a thread of its own
 (:meth:`Engine.start`; other threads only :meth:`submit` and :meth:`cancel`), or one thread submits and steps it
-(:mod:`attnkit.serve.driver`, ``attnkit chat``); a request's events go to its ``on_event``, called from the thread
-that steps.
+(:mod:`attnkit.serve.driver`, ``attnkit chat``); each request's events go to its ``on_event``, in that thread.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from math import inf
@@ -202,7 +202,7 @@ class Engine:
         for shift in plan.shifts:
             self.runner.evict(shift)
         produced = sum(self._run(rows) for rows in batches(plan.decoding + plan.prefill))
-        self._rate.add(produced)
+        self._rate.append((time.monotonic(), produced))
 
     def _run(self, rows: list[Row]) -> int:
         """One forward over ``rows`` and the next token of each request whose known tokens are then all in the

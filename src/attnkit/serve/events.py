@@ -46,20 +46,17 @@ class ConstraintError(ValueError):
     """A request's constraint (its grammar) could not take the token sampled under it."""
 
 
-class RecentRate:
-    """Tokens per second over the steps of the last ``seconds`` (at most the last 64 steps)."""
+class RecentRate(deque[tuple[float, int]]):
+    """(time.monotonic(), tokens) of the recent steps (the last 64), appended by the engine after each step (a
+    plain deque append: the step calls nothing here), and their rate over the last ``seconds``."""
 
     def __init__(self, seconds: float = 10.0) -> None:
+        super().__init__(maxlen=64)
         self.seconds = seconds
-        self.steps: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) of recent steps
-
-    def add(self, tokens: int) -> None:
-        """A step that produced ``tokens`` ended now."""
-        self.steps.append((time.monotonic(), tokens))
 
     def per_second(self) -> float:
         """The tokens of the recent steps after the first, over the time since it; 0.0 with fewer than two."""
         now = time.monotonic()
-        recent = [(t, n) for t, n in self.steps if now - t < self.seconds]
+        recent = [(t, n) for t, n in self if now - t < self.seconds]
         span = now - recent[0][0] if len(recent) > 1 else 0.0
         return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
