@@ -8,6 +8,7 @@ hand in tmux: see the issue's notes.
 from __future__ import annotations
 
 import builtins
+import logging
 import os
 import re
 import subprocess
@@ -115,11 +116,11 @@ def _ctrl_c_at_event(monkeypatch: pytest.MonkeyPatch, n: int) -> list[Any]:
 
 
 def _chat(tiny: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], lines: list[str],
-          new: int) -> tuple[str, str]:
-    """``attnkit chat`` over the tiny file with ``lines`` typed, ``new`` tokens an answer; its (stdout, stderr),
-    every patch undone."""
+          new: int, *options: str) -> tuple[str, str]:
+    """``attnkit chat`` over the tiny file with ``lines`` typed, ``new`` tokens an answer, and ``options``; its
+    (stdout, stderr), every patch undone."""
     _typing(monkeypatch, lines)
-    assert main(["chat", "--gguf", tiny, "--max-new-tokens", str(new)]) == 0
+    assert main(["chat", "--gguf", tiny, "--max-new-tokens", str(new), *options]) == 0
     out, err = capsys.readouterr()
     monkeypatch.undo()
     return out, err
@@ -180,6 +181,36 @@ def test_after_the_engine_dies_a_new_one_answers_the_next_message(
     out, err = _chat(tiny, monkeypatch, capsys, ["hi", "the"], 3)
     assert "out of memory" in err and "a new one answers from now on" in err
     assert prompts[-1] == [{"role": "user", "content": "the"}]  # the failed message left no trace
+    assert out.split("\n")[1] == _answer(model, prompts[-1], 3)
+
+
+def test_with_compile_the_engine_that_replaces_a_dead_one_is_waited_for_too(
+        tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--compile: the chat waits for the compiled step before its first answer; a new engine after one died
+    compiled beside the eager answers instead (slowing them severely on a CPU), and said nothing."""
+    from attnkit.serve.runner import Runner
+
+    forward, calls = Runner.forward, []
+
+    def fails_once(self: Runner, rows: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return forward(self, rows)
+
+    monkeypatch.setattr(Runner, "forward", fails_once)
+    monkeypatch.setattr("attnkit.serve.engine.compile_in_background", lambda *args: None)  # the wait, not a compile
+
+    def wait_compiled(self: Any, timeout: float | None = None) -> bool:  # a compile that fails, as its log says
+        logging.getLogger("attnkit.serve.compile").warning("the compile failed: boom")
+        return False
+
+    monkeypatch.setattr("attnkit.serve.engine.Engine.wait_compiled", wait_compiled)
+    prompts = _prompts(monkeypatch)
+    out, err = _chat(tiny, monkeypatch, capsys, ["hi", "the"], 3, "--compile")
+    assert "a new one answers from now on" in err
+    assert err.count("compiling the decoding step") == 2  # at the start, and for the new engine
+    assert err.count("the compile failed: boom") == 2  # each wait's warning said once, not once per engine made
     assert out.split("\n")[1] == _answer(model, prompts[-1], 3)
 
 

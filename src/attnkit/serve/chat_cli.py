@@ -125,14 +125,23 @@ def compile_first(engine: Engine, console: Any) -> None:
         note(console, f"(the compiled decoding step is ready after {status['seconds']} s)")
 
 
+class _Notes(logging.Handler):
+    """A log's warnings as notes on a console."""
+
+    def __init__(self, console: Any) -> None:
+        super().__init__(logging.WARNING)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        note(self.console, f"({record.getMessage()})")
+
+
 def _notes_from(log: logging.Logger, console: Any) -> None:
-    """The log's warnings as notes on the console (its info lines left out)."""
-
-    class Notes(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            note(console, f"({record.getMessage()})")
-
-    log.addHandler(Notes(logging.WARNING))
+    """The log's warnings as notes on ``console`` (its info lines left out), in place of an earlier chat's: each
+    said once, on the console of the chat that waits."""
+    for handler in [h for h in log.handlers if isinstance(h, _Notes)]:
+        log.removeHandler(handler)
+    log.addHandler(_Notes(console))
     log.propagate = False
 
 
@@ -212,6 +221,8 @@ class _Chat:
             if not self.engine.alive:
                 note(self.console, "(the engine stopped; a new one answers from now on, the conversation kept)")
                 self.engine = conversation_engine(self.model, self.args)
+                if self.args.compile:  # as at the start: kept on disk, its compiled step loads in seconds
+                    compile_first(self.engine, self.console)
             return
         if answer.ending == "interrupted" and not answer.text:
             note(self.console, "(answer stopped by Ctrl-C before it began; your message is dropped)")
