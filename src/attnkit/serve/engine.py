@@ -192,7 +192,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Drop the cancelled, schedule, run the decoding rows and the prefill rows, sample; see the module."""
+        """Drop the cancelled, schedule, run the rows (:meth:`_run`), each finished request's next token."""
         with self._lock:
             self.scheduler.waiting.extend(self._inbox)
             self._inbox.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -47,16 +48,18 @@ class ConstraintError(ValueError):
 
 
 class RecentRate(deque[tuple[float, int]]):
-    """(time.monotonic(), tokens) of the recent steps (the last 64), appended by the engine after each step (a
-    plain deque append: the step calls nothing here), and their rate over the last ``seconds``."""
+    """(time.monotonic(), tokens) of the recent steps (the last ``maxlen``), appended by the engine after each step
+    (a plain deque append: the step calls nothing here), and their rate over the last ``seconds``."""
 
-    def __init__(self, seconds: float = 10.0) -> None:
-        super().__init__(maxlen=64)
+    def __init__(self, steps: Iterable[tuple[float, int]] = (), maxlen: int | None = 64, *,
+                 seconds: float = 10.0) -> None:
+        super().__init__(steps, maxlen)
         self.seconds = seconds
 
     def per_second(self) -> float:
-        """The tokens of the recent steps after the first, over the time since it; 0.0 with fewer than two."""
+        """The tokens of the recent steps after the first, over the time since it; 0.0 with fewer than two. Safe
+        beside the thread that appends: the steps are copied in one call first."""
         now = time.monotonic()
-        recent = [(t, n) for t, n in self if now - t < self.seconds]
+        recent = [(t, n) for t, n in tuple(self) if now - t < self.seconds]
         span = now - recent[0][0] if len(recent) > 1 else 0.0
         return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
