@@ -70,7 +70,7 @@ def llama_rate(url: str, prompt: str) -> float:
 def main() -> None:
     rounds = int(sys.argv[1])
     torch.set_num_threads(THREADS)
-    model = load_gguf(smollm2_path())
+    model = load_gguf(smollm2_path(), weights="auto")  # what attnkit serve loads
     ids = model.tokenize(TEXT.read_text()[:20000])["input_ids"][0].tolist()[:TOKENS]
     prompt = model.decode(ids, skip_special_tokens=False)
     stops = {str(i): -100 for i in model.stop_token_ids}

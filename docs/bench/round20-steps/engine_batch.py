@@ -6,8 +6,8 @@ SmolLM2-135M-Instruct in its default form, 2 threads, BATCH random 16-token prom
 ids off). ``engine``: a fresh :class:`attnkit.serve.Engine` (64 MiB of KV blocks), every prompt submitted, then
 stepped here until each request finished; its decode rate is the tokens after each request's first over the
 time after the first step (which prefills every prompt and samples each first token). ``generate``: one batched
-call, ``GenerationStats.decode_tokens_per_s``. The two interleaved; the first round warms up. One JSON line, with
-the CPU capability.
+call, ``GenerationStats.decode_tokens_per_s``. The two interleaved, which goes first alternating; the first round
+warms up. The ratio is the median of each round's pair. One JSON line, with the CPU capability.
 """
 
 from __future__ import annotations
@@ -54,14 +54,15 @@ def main() -> None:
     contenders = {"engine": on_engine, "generate": generated}
     runs: dict[str, list[float]] = {name: [] for name in contenders}
     for r in range(rounds + 1):
-        for name, contender in contenders.items():
-            value = contender()
+        for name in sorted(contenders, reverse=r % 2 == 1):  # which goes first alternates
+            value = contenders[name]()
             if r:
                 runs[name].append(round(value, 1))
     medians = {name: statistics.median(values) for name, values in runs.items()}
+    pairs = [a / b for a, b in zip(runs["engine"], runs["generate"], strict=True)]
     print(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch": batch,
-                      "engine / generate": round(medians["engine"] / medians["generate"], 3), "medians": medians,
-                      "runs": runs}))
+                      "engine / generate": round(statistics.median(pairs), 3),
+                      "pairs": [round(p, 3) for p in pairs], "medians": medians, "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,10 @@
     python docs/bench/round20-steps/steps.py --rows                # one worker: this interpreter's attnkit
 
 The driver runs a worker process for each source tree in turn (``PYTHONPATH`` = the tree's ``src``: this
-checkout's, then ``BASE_SRC``, e.g. a worktree of e148183), ROUNDS times each, and reports every row's median
-per tree and the median over rounds of each round's ratio (this tree's rate over the base's, the two measured one
-after the other: above 1 is faster; the issue's bar is 0.97). A worker measures, with 2 threads, each row's rate
-after a warm-up:
+checkout's and ``BASE_SRC``, e.g. a worktree of e148183; which goes first alternates), ROUNDS times each, and
+reports every row's median per tree and the median over rounds of each round's ratio (this tree's rate over the
+base's, the two measured one after the other: above 1 is faster; the issue's bar is 0.97). A worker measures,
+with 2 threads, each row's rate after a warm-up:
 
 - the layer (``MultiHeadAttention``, d 768, 12 heads, causal) at B = 1, T = 1,024: inference and training
   (forward and backward), calls per second (median of 11);
@@ -106,8 +106,8 @@ def main() -> None:
     trees = {"this tree": str(HERE.parents[3] / "src"), "e148183": base}
     runs: dict[str, dict[str, list[float]]] = {tree: {} for tree in trees}
     capability = None
-    for _ in range(rounds):
-        for tree, src in trees.items():
+    for r in range(rounds):
+        for tree, src in sorted(trees.items(), reverse=r % 2 == 1):  # which goes first alternates
             env = {**os.environ, "PYTHONPATH": src}
             done = subprocess.run([sys.executable, str(HERE), "--rows"], env=env, capture_output=True, text=True,
                                   check=True)
