@@ -11,6 +11,7 @@ import builtins
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -181,6 +182,27 @@ def test_after_the_engine_dies_a_new_one_answers_the_next_message(
     out, err = _chat(tiny, monkeypatch, capsys, ["hi", "the"], 3)
     assert "out of memory" in err and "a new one answers from now on" in err
     assert prompts[-1] == [{"role": "user", "content": "the"}]  # the failed message left no trace
+    assert out.split("\n")[1] == _answer(model, prompts[-1], 3)
+
+
+def test_ctrl_c_while_the_speed_line_is_written_does_not_end_the_session(
+        tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The answer has ended when its speed line is written: a Ctrl-C then (meant for the answer) ended the whole
+    session with a KeyboardInterrupt; it is dropped, and the next message is answered."""
+    from attnkit.serve import chat_cli
+
+    report, pressed = chat_cli.report_speed, []
+
+    def pressed_meanwhile(*args: Any, **kwargs: Any) -> None:
+        pressed.append(1)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, while the line is written
+        report(*args, **kwargs)
+
+    monkeypatch.setattr(chat_cli, "report_speed", pressed_meanwhile)
+    prompts = _prompts(monkeypatch)
+    out, err = _chat(tiny, monkeypatch, capsys, ["hi", "the"], 3)
+    assert len(pressed) == 2  # both answers ended with their speed line, the session went on after the first
+    assert err.count("generation: 3 tokens") == 2
     assert out.split("\n")[1] == _answer(model, prompts[-1], 3)
 
 

@@ -234,8 +234,11 @@ class _Chat:
         if answer.ending == "interrupted":
             note(self.console, "(answer stopped by Ctrl-C; what was written stays in the conversation)")
             return
-        tell_ending(self.console, answer, self.args, self.model.context_length)
-        report_speed(self.console, answer.stats, cached=answer.cached)
+        from attnkit.serve.driver import sigint_held
+
+        with sigint_held(replay=False):  # the answer has ended: a Ctrl-C meant for it is dropped, the session goes on
+            tell_ending(self.console, answer, self.args, self.model.context_length)
+            report_speed(self.console, answer.stats, cached=answer.cached)
 
 
 def stream_request(engine: Engine, ids: list[int], args: argparse.Namespace) -> Answer:
