@@ -164,9 +164,8 @@ def test_ctrl_c_before_the_first_token_drops_the_message(tiny: str, model: Any, 
     assert len(made) == 1 and _holds_nothing(made[0])
 
 
-def test_after_the_engine_dies_a_new_one_answers_the_next_message(
-        tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """A failed step (out of memory, a bug) ended the engine, and the next message crashed the chat."""
+def _first_step_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's first forward raises (out of memory, a bug), which ends that engine; later forwards run."""
     from attnkit.serve.runner import Runner
 
     forward, calls = Runner.forward, []
@@ -178,6 +177,12 @@ def test_after_the_engine_dies_a_new_one_answers_the_next_message(
         return forward(self, rows)
 
     monkeypatch.setattr(Runner, "forward", fails_once)
+
+
+def test_after_the_engine_dies_a_new_one_answers_the_next_message(
+        tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A failed step (out of memory, a bug) ended the engine, and the next message crashed the chat."""
+    _first_step_fails(monkeypatch)
     prompts = _prompts(monkeypatch)
     out, err = _chat(tiny, monkeypatch, capsys, ["hi", "the"], 3)
     assert "out of memory" in err and "a new one answers from now on" in err
@@ -210,17 +215,7 @@ def test_with_compile_the_engine_that_replaces_a_dead_one_is_waited_for_too(
         tiny: str, model: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """--compile: the chat waits for the compiled step before its first answer; a new engine after one died
     compiled beside the eager answers instead (slowing them severely on a CPU), and said nothing."""
-    from attnkit.serve.runner import Runner
-
-    forward, calls = Runner.forward, []
-
-    def fails_once(self: Runner, rows: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("out of memory")
-        return forward(self, rows)
-
-    monkeypatch.setattr(Runner, "forward", fails_once)
+    _first_step_fails(monkeypatch)
     monkeypatch.setattr("attnkit.serve.engine.compile_in_background", lambda *args: None)  # the wait, not a compile
 
     def wait_compiled(self: Any, timeout: float | None = None) -> bool:  # a compile that fails, as its log says
