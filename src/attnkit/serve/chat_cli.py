@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from attnkit.models.cli import add_generation_options
+from attnkit.models.generation_options import GenerationOptions, GenerationStats
 from attnkit.models.runtime_options import set_threads
 from attnkit.models.terminal import (
     Answer,
@@ -37,11 +38,13 @@ from attnkit.models.terminal import (
     tell_ending,
     write_stdout,
 )
+from attnkit.serve.driver import Answering, run_request, sigint_held
+from attnkit.serve.engine import Engine
 from attnkit.serve.events import EngineError, Event
+from attnkit.serve.paged import PagedKVPool, pool_dtype
 
 if TYPE_CHECKING:
     from attnkit.models.decoder import DecoderModel
-    from attnkit.serve.engine import Engine
 
 COMMANDS = {
     "/help": "list these commands",
@@ -92,9 +95,6 @@ def conversation_engine(model: DecoderModel, args: argparse.Namespace) -> Engine
     :data:`PREFILL_BUDGET` tokens (Ctrl-C waits for a step to end), a pool of the model's context (memory taken
     as positions are written), the options' cache, KV dtype and device; with --compile, the decoding step
     compiling (:func:`compile_first` waits for it)."""
-    from attnkit.serve.engine import Engine
-    from attnkit.serve.paged import PagedKVPool, pool_dtype
-
     config: Any = model.config  # a decoder's: layers, key/value heads, head size
     kv_dtype = None if args.kv_dtype == "float32" else args.kv_dtype
     dtype = pool_dtype(next(model.parameters()).dtype, kv_dtype)
@@ -234,8 +234,6 @@ class _Chat:
         if answer.ending == "interrupted":
             note(self.console, "(answer stopped by Ctrl-C; what was written stays in the conversation)")
             return
-        from attnkit.serve.driver import sigint_held
-
         with sigint_held(replay=False):  # the answer has ended: a Ctrl-C meant for it is dropped, the session goes on
             tell_ending(self.console, answer, self.args, self.model.context_length)
             report_speed(self.console, answer.stats, cached=answer.cached)
@@ -244,9 +242,6 @@ class _Chat:
 def stream_request(engine: Engine, ids: list[int], args: argparse.Namespace) -> Answer:
     """Stream the answer to the prompt ``ids`` to stdout, one request to ``engine`` stepped here (:mod:`.driver`);
     Ctrl-C stops it (``ending="interrupted"``)."""
-    from attnkit.models.generation_options import GenerationOptions, GenerationStats
-    from attnkit.serve.driver import Answering, run_request
-
     budget = answer_budget(args, engine.model.context_length, len(ids))
     options = GenerationOptions(max_new_tokens=budget, **sampling_options(args))
     stats, pieces, last = GenerationStats(rows=1), [], Event("", [])
